@@ -1,0 +1,248 @@
+"""A FlowPrefill prefill instance: request queue, scheduler loop, execution pool, backend.
+
+:class:`PrefillEngine` is the object servers and demos hold. ``submit`` validates a prompt,
+stamps its arrival and deadline and returns a :class:`concurrent.futures.Future` that
+resolves to a :class:`PrefillResult` (first token + KV cache) when the prefill finishes,
+or raises the error that ended it. Everything else happens on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
+from flowprefill.executor.pool import ExecutionPool, PreemptOutcome
+from flowprefill.executor.preemption import TaskControl
+from flowprefill.metrics import EngineMetrics
+from flowprefill.request import Request, RequestState, Task
+from flowprefill.scheduler.batching import get_batching
+from flowprefill.scheduler.core import Scheduler, SchedulerOutput
+from flowprefill.scheduler.loop import Arrival, Cancel, Completion, SchedulerLoop
+from flowprefill.scheduler.policies import get_policy
+
+
+class PrefillBackend(Protocol):
+    """Runs a batch of prompts on the calling thread, reaching checkpoints on the way."""
+
+    @property
+    def max_context_tokens(self) -> int: ...
+
+    def run(self, prompts: Sequence[Sequence[int]], control: TaskControl) -> Sequence[Any]:
+        """One output per prompt, in order."""
+        ...
+
+
+class Predictor(Protocol):
+    def predict_s(self, num_tokens: int) -> float: ...
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    request_id: str
+    slo_class: str
+    output: Any
+    """The backend's per-request output (first token, logits, KV cache)."""
+    arrival_s: float
+    finish_s: float
+    ttft_slo_s: float
+    num_preemptions: int
+    batch_size: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def met_slo(self) -> bool:
+        return self.ttft_s <= self.ttft_slo_s
+
+
+class _Observer:
+    """Bridges loop callbacks to futures and metrics (runs on the scheduler thread)."""
+
+    def __init__(self, engine: PrefillEngine) -> None:
+        self.engine = engine
+
+    def on_round(self, out: SchedulerOutput, scheduler: Scheduler) -> None:
+        m = self.engine.metrics
+        m.rounds.inc()
+        if out.commands:
+            m.command_rounds.inc()
+        for cmd in out.commands:
+            if cmd.kind == "submit":
+                m.batch_size.observe(len(cmd.task.requests))
+        m.queue_depth.set(scheduler.queue_depth)
+        m.preempted_tasks.set(len(scheduler.preempted))
+
+    def on_preempt(self, task: Task, outcome: Any) -> None:
+        if isinstance(outcome, PreemptOutcome):
+            self.engine.metrics.preemptions.inc()
+            self.engine.metrics.preemption_blocking.observe(outcome.blocking_s)
+            self.engine.blocking_times_s.append(outcome.blocking_s)
+
+    def on_completion(self, event: Completion, now_s: float) -> None:
+        self.engine._complete(event)
+
+    def on_cancelled(self, request: Request | None, request_id: str) -> None:
+        fut = self.engine._futures.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(TaskCancelledError(f"request {request_id} was cancelled"))
+            self.engine.metrics.requests.labels(
+                request.slo_class if request else "unknown", "cancelled"
+            ).inc()
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        backend: PrefillBackend,
+        predictor: Predictor,
+        *,
+        policy: str = "s-edf",
+        batching: str = "slo-aware",
+        token_budget: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.backend = backend
+        self.clock = clock
+        self.metrics = metrics or EngineMetrics()
+        self.scheduler = Scheduler(
+            predict_s=predictor.predict_s,
+            policy=get_policy(policy),
+            batching=get_batching(batching),
+            token_budget=token_budget,
+        )
+        self.pool: ExecutionPool[Sequence[Any]] = ExecutionPool(self._run_task, self._on_task_done)
+        self.loop = SchedulerLoop(self.scheduler, self.pool, _Observer(self), clock=clock)
+        self.blocking_times_s: list[float] = []
+        self._futures: dict[str, Future[PrefillResult]] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._accepting = False
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self) -> PrefillEngine:
+        self.loop.start()
+        self._accepting = True
+        return self
+
+    def __enter__(self) -> PrefillEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, *, drain: bool = True, timeout_s: float = 60.0) -> None:
+        """Stop accepting; with ``drain`` let queued work finish (up to ``timeout_s``).
+
+        Whatever is still unfinished afterwards fails with EngineClosedError — a caller
+        is always answered, never left waiting.
+        """
+        self._accepting = False
+        if drain:
+            deadline = time.monotonic() + timeout_s
+            for fut in list(self._futures.values()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    fut.exception(timeout=remaining)
+                except Exception:
+                    break
+        for rid in list(self._futures):
+            self.cancel(rid)
+        self.loop.stop()
+        self.pool.join(timeout_s=5.0)
+        for fut in list(self._futures.values()):
+            if not fut.done():
+                fut.set_exception(EngineClosedError("the prefill engine shut down"))
+        self._futures.clear()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.loop.running
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        ttft_slo_s: float,
+        slo_class: str = "default",
+        request_id: str | None = None,
+    ) -> Future[PrefillResult]:
+        """Queue a prompt whose first token is due ``ttft_slo_s`` from now."""
+        if not self.accepting:
+            raise EngineClosedError("the prefill engine is not accepting requests")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request.create(
+            rid,
+            arrival_s=self.clock(),
+            ttft_slo_s=ttft_slo_s,
+            prompt_token_ids=list(prompt_token_ids),
+            slo_class=slo_class,
+            max_tokens=self.backend.max_context_tokens,
+        )
+        fut: Future[PrefillResult] = Future()
+        with self._lock:
+            if rid in self._futures:
+                raise InvalidRequestError(f"request id {rid!r} is already in flight")
+            self._futures[rid] = fut
+        self.loop.post(Arrival(request))
+        return fut
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (client gone). Its future fails with TaskCancelledError."""
+        self.loop.post(Cancel(request_id))
+
+    # ------------------------------------------------------------- internals
+
+    def _run_task(self, task: Task, control: TaskControl) -> Sequence[Any]:
+        prompts = [r.prompt_token_ids or () for r in task.requests]
+        outputs = self.backend.run(prompts, control)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(prompts)}")
+        return outputs
+
+    def _on_task_done(
+        self, task: Task, result: Sequence[Any] | None, error: BaseException | None
+    ) -> None:
+        self.loop.post(Completion(task, result, error))
+
+    def _complete(self, event: Completion) -> None:
+        m = self.metrics
+        for i, r in enumerate(event.task.requests):
+            with self._lock:
+                fut = self._futures.pop(r.request_id, None)
+            if r.state is RequestState.CANCELLED:
+                if fut is not None and not fut.done():
+                    fut.set_exception(TaskCancelledError(f"request {r.request_id} was cancelled"))
+                continue
+            if event.error is not None or event.result is None:
+                m.requests.labels(r.slo_class, "failed").inc()
+                if fut is not None and not fut.done():
+                    fut.set_exception(event.error or RuntimeError("prefill produced no output"))
+                continue
+            res = PrefillResult(
+                request_id=r.request_id,
+                slo_class=r.slo_class,
+                output=event.result[i],
+                arrival_s=r.arrival_s,
+                finish_s=r.finish_s if r.finish_s is not None else self.clock(),
+                ttft_slo_s=r.ttft_slo_s,
+                num_preemptions=r.num_preemptions,
+                batch_size=len(event.task.requests),
+            )
+            m.ttft.labels(r.slo_class).observe(res.ttft_s)
+            m.requests.labels(r.slo_class, "met" if res.met_slo else "missed").inc()
+            if fut is not None and not fut.done():
+                fut.set_result(res)

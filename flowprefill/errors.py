@@ -1,0 +1,36 @@
+"""Typed errors a caller can cause; each maps to a clear message (and, over HTTP, a 4xx)."""
+
+from __future__ import annotations
+
+
+class FlowPrefillError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class InvalidRequestError(FlowPrefillError, ValueError):
+    """A request that can never be served as given (empty prompt, too long, bad SLO)."""
+
+
+class UnknownNameError(FlowPrefillError, ValueError):
+    """A policy, granularity, model family or other name that is not registered."""
+
+    def __init__(self, what: str, name: str, known: list[str] | tuple[str, ...]) -> None:
+        self.what = what
+        self.name = name
+        self.known = tuple(known)
+        super().__init__(f"unknown {what} {name!r}; expected one of: {', '.join(self.known)}")
+
+
+class UnknownTaskError(FlowPrefillError, KeyError):
+    """A command named a task the execution pool does not hold."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown task"
+
+
+class TaskCancelledError(FlowPrefillError):
+    """Raised inside a running task when it was cancelled (client gone, engine draining)."""
+
+
+class EngineClosedError(FlowPrefillError, RuntimeError):
+    """The engine is shutting down and accepts no new requests."""

@@ -1,0 +1,202 @@
+"""The scheduling decision of one round (the paper's Algorithm 2, lines 5–26), as pure state.
+
+:class:`Scheduler` owns the three queues — waiting requests ``Q_w``, preempted tasks
+``Q_p`` and the running task ``E`` — and nothing else. It never waits, sleeps or touches
+threads: the caller reports arrivals and completions, then asks for one round at a given
+time and carries out the returned commands, in order, on an execution pool. The real
+prefill instance (:mod:`flowprefill.scheduler.loop`) and the simulator drive this same
+class, so what the simulator predicts is what the engine decides.
+
+Invariant after every :meth:`Scheduler.schedule` call: the running task holds the
+highest-priority runnable entry (waiting request, preempted task or the running task
+itself) under the configured policy at that instant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from flowprefill.errors import InvalidRequestError, UnknownTaskError
+from flowprefill.request import Request, RequestState, Task
+from flowprefill.scheduler.batching import BatchingPolicy, SLOAwareBatching
+from flowprefill.scheduler.policies import PriorityPolicy, RankInput, SlackEDF, SortKey
+
+
+class CommandKind(StrEnum):
+    SUBMIT = "submit"
+    PREEMPT = "preempt"
+    RESUME = "resume"
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    kind: CommandKind
+    task: Task
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one round decided; commands are to be applied in order."""
+
+    round_index: int
+    now_s: float
+    commands: list[Command] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_rounds: int = 0
+    num_command_rounds: int = 0
+    num_submits: int = 0
+    num_preemptions: int = 0
+    num_resumes: int = 0
+    num_finished: int = 0
+
+
+class Scheduler:
+    """Slack-aware EDF scheduling with SLO-aware batching over one execution slot."""
+
+    def __init__(
+        self,
+        *,
+        predict_s: Callable[[int], float],
+        policy: PriorityPolicy | None = None,
+        batching: BatchingPolicy | None = None,
+        token_budget: int = 4096,
+    ) -> None:
+        if token_budget <= 0:
+            raise InvalidRequestError(f"batch token budget must be positive, got {token_budget}")
+        self.policy: PriorityPolicy = policy or SlackEDF()
+        self.batching: BatchingPolicy = batching or SLOAwareBatching()
+        self.predict_s = predict_s
+        self.token_budget = token_budget
+        self.waiting: dict[str, Request] = {}
+        self.preempted: dict[int, Task] = {}
+        self.running: Task | None = None
+        self.stats = SchedulerStats()
+        self._known_ids: set[str] = set()
+
+    # ------------------------------------------------------------------ events
+
+    def add(self, request: Request) -> None:
+        """An arrival: the request joins ``Q_w``."""
+        if request.request_id in self._known_ids:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already queued")
+        if request.state is not RequestState.WAITING:
+            raise InvalidRequestError(f"request {request.request_id} is {request.state}")
+        self.waiting[request.request_id] = request
+        self._known_ids.add(request.request_id)
+
+    def finish(self, task: Task, now_s: float, *, failed: bool = False) -> None:
+        """A completion: ``task`` left the execution pool (done or failed)."""
+        if self.running is task:
+            self.running = None
+        elif self.preempted.pop(task.task_id, None) is None:
+            # A preempt that raced with the task's last operator leaves it in Q_p until its
+            # completion event arrives; anything else is a caller bug.
+            raise UnknownTaskError(f"{task!r} is neither running nor preempted")
+        task.transition(RequestState.FAILED if failed else RequestState.FINISHED, now_s)
+        for r in task.requests:
+            self._known_ids.discard(r.request_id)
+        self.stats.num_finished += 1
+
+    def cancel(self, request_id: str, now_s: float) -> Task | None:
+        """Drop a request. Returns its task if no live request is left in it (to cancel it)."""
+        r = self.waiting.pop(request_id, None)
+        if r is not None:
+            r.transition(RequestState.CANCELLED, now_s)
+            self._known_ids.discard(request_id)
+            return None
+        for task in self._tasks():
+            for member in task.requests:
+                if member.request_id == request_id and not member.is_terminal:
+                    member.transition(RequestState.CANCELLED, now_s)
+                    if all(m.is_terminal for m in task.requests):
+                        return task
+                    return None
+        return None
+
+    # ------------------------------------------------------------------ ranking
+
+    def rank_input(self, item: Request | Task) -> RankInput:
+        if isinstance(item, Request):
+            return RankInput(
+                item.deadline_s, item.arrival_s, self.predict_s(item.num_tokens), item.seq
+            )
+        leader = item.leader
+        remaining = self.predict_s(item.num_tokens) * max(0.0, 1.0 - item.progress)
+        return RankInput(leader.deadline_s, leader.arrival_s, remaining, leader.seq)
+
+    def sort_key(self, item: Request | Task, now_s: float) -> SortKey:
+        return self.policy.sort_key(self.rank_input(item), now_s)
+
+    def _tasks(self) -> Iterable[Task]:
+        if self.running is not None:
+            yield self.running
+        yield from self.preempted.values()
+
+    def runnable(self) -> list[Request | Task]:
+        """``Q_all``: every waiting request, preempted task and the running task."""
+        items: list[Request | Task] = list(self.waiting.values())
+        items.extend(self._tasks())
+        return items
+
+    # ------------------------------------------------------------------ one round
+
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        """Run one scheduling round at ``now_s``; returns the commands to carry out."""
+        self.stats.num_rounds += 1
+        out = SchedulerOutput(self.stats.num_rounds, now_s)
+        items = self.runnable()
+        if not items:
+            return out
+        keyed = [(self.sort_key(item, now_s), item) for item in items]
+        _best_key, best = min(keyed, key=lambda kv: kv[0])
+        if best is self.running:
+            return out
+
+        if isinstance(best, Request):
+            candidates = sorted(
+                (kv for kv in keyed if isinstance(kv[1], Request) and kv[1] is not best),
+                key=lambda kv: kv[0],
+            )
+            batch = self.batching.form_batch(
+                best,
+                (r for _, r in candidates if isinstance(r, Request)),
+                now_s=now_s,
+                predict_s=self.predict_s,
+                token_budget=self.token_budget,
+            )
+            target = Task(batch)
+        else:
+            target = best
+
+        if self.running is not None:
+            victim = self.running
+            victim.transition(RequestState.PREEMPTED, now_s)
+            self.preempted[victim.task_id] = victim
+            out.commands.append(Command(CommandKind.PREEMPT, victim))
+            self.stats.num_preemptions += 1
+
+        if isinstance(best, Request):
+            for r in target.requests:
+                del self.waiting[r.request_id]
+            out.commands.append(Command(CommandKind.SUBMIT, target))
+            self.stats.num_submits += 1
+        else:
+            del self.preempted[target.task_id]
+            out.commands.append(Command(CommandKind.RESUME, target))
+            self.stats.num_resumes += 1
+        target.transition(RequestState.RUNNING, now_s)
+        self.running = target
+        self.stats.num_command_rounds += 1
+        return out
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests not yet finished: waiting plus those in running or preempted tasks."""
+        return len(self.waiting) + sum(
+            sum(not r.is_terminal for r in t.requests) for t in self._tasks()
+        )

@@ -1,0 +1,166 @@
+"""The engine's threads (scheduler loop + execution pool + preemption protocol) end to end.
+
+The backend here is a stand-in for the model: it walks through a fixed number of
+checkpoints per token block, sleeping between them, so timings are controlled. The real
+model executor is exercised with the same engine in tests/executor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from flowprefill.engine import PrefillEngine
+from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
+from flowprefill.executor.preemption import TaskControl, checkpoint
+from flowprefill.predictor.model import TTFTPredictor
+
+OP_S = 0.002  # one "operator"
+TOKENS_PER_OP = 50
+
+
+class SteppedBackend:
+    """Prefill stand-in: one checkpointed step per TOKENS_PER_OP tokens of the batch."""
+
+    max_context_tokens = 100_000
+
+    def __init__(self) -> None:
+        self.order: list[tuple[str, tuple[int, ...]]] = []
+
+    def run(self, prompts: Sequence[Sequence[int]], control: TaskControl) -> list[int]:
+        key = tuple(p[0] for p in prompts)
+        self.order.append(("start", key))
+        steps = max(1, sum(len(p) for p in prompts) // TOKENS_PER_OP)
+        control.num_checkpoints_expected = steps
+        for _ in range(steps):
+            time.sleep(OP_S)
+            checkpoint()
+        self.order.append(("end", key))
+        return [p[0] * 10 for p in prompts]
+
+
+PREDICTOR = TTFTPredictor.linear(per_token_s=OP_S / TOKENS_PER_OP)
+
+
+def prompt(tag: int, n: int) -> list[int]:
+    return [tag] * n
+
+
+def test_urgent_request_preempts_long_one_and_both_finish() -> None:
+    backend = SteppedBackend()
+    with PrefillEngine(backend, PREDICTOR, batching="none") as eng:
+        long_f = eng.submit(prompt(1, 10_000), ttft_slo_s=10.0, slo_class="file")  # ~0.4 s
+        time.sleep(0.05)
+        short_f = eng.submit(prompt(2, 100), ttft_slo_s=0.2, slo_class="chat")
+        short = short_f.result(timeout=10)
+        long = long_f.result(timeout=10)
+    assert short.output == 20 and long.output == 10
+    assert short.met_slo
+    assert long.num_preemptions == 1
+    # The short one started and ended while the long one was parked.
+    assert backend.order == [
+        ("start", (1,)),
+        ("start", (2,)),
+        ("end", (2,)),
+        ("end", (1,)),
+    ]
+    assert len(eng.blocking_times_s) == 1
+    assert eng.blocking_times_s[0] < 0.25  # bounded by one step, not the whole prefill
+    assert eng.scheduler.stats.num_rounds >= 4
+
+
+def test_fcfs_does_not_preempt() -> None:
+    backend = SteppedBackend()
+    with PrefillEngine(backend, PREDICTOR, policy="fcfs", batching="none") as eng:
+        a = eng.submit(prompt(1, 5_000), ttft_slo_s=10.0)
+        time.sleep(0.03)
+        b = eng.submit(prompt(2, 100), ttft_slo_s=0.05)
+        assert not b.result(timeout=10).met_slo
+        assert a.result(timeout=10).num_preemptions == 0
+    assert backend.order[:2] == [("start", (1,)), ("end", (1,))]
+
+
+def test_queued_short_requests_are_batched() -> None:
+    backend = SteppedBackend()
+    with PrefillEngine(backend, PREDICTOR, token_budget=4096) as eng:
+        blocker = eng.submit(prompt(9, 3000), ttft_slo_s=30.0)
+        time.sleep(0.02)
+        futs = [eng.submit(prompt(i, 200), ttft_slo_s=5.0) for i in range(3)]
+        results = [f.result(timeout=10) for f in futs]
+        blocker.result(timeout=10)
+    assert {r.batch_size for r in results} == {3}
+    assert [r.output for r in results] == [0, 10, 20]
+
+
+def test_cancel_waiting_and_running_requests() -> None:
+    backend = SteppedBackend()
+    with PrefillEngine(backend, PREDICTOR, batching="none") as eng:
+        running = eng.submit(prompt(1, 20_000), ttft_slo_s=30.0, request_id="run")
+        waiting = eng.submit(prompt(2, 20_000), ttft_slo_s=60.0, request_id="wait")
+        time.sleep(0.05)
+        eng.cancel("wait")
+        eng.cancel("run")
+        with pytest.raises(TaskCancelledError):
+            waiting.result(timeout=5)
+        with pytest.raises(TaskCancelledError):
+            running.result(timeout=5)
+        ok = eng.submit(prompt(3, 100), ttft_slo_s=1.0)
+        assert ok.result(timeout=5).output == 30
+        assert eng.pool.num_tasks == 0
+
+
+def test_backend_error_fails_only_its_requests() -> None:
+    class Flaky(SteppedBackend):
+        def run(self, prompts, control):
+            if prompts[0][0] == 13:
+                raise RuntimeError("device fell over")
+            return super().run(prompts, control)
+
+    with PrefillEngine(Flaky(), PREDICTOR, batching="none") as eng:
+        bad = eng.submit(prompt(13, 100), ttft_slo_s=1.0)
+        with pytest.raises(RuntimeError, match="device fell over"):
+            bad.result(timeout=5)
+        assert eng.submit(prompt(4, 100), ttft_slo_s=1.0).result(timeout=5).output == 40
+
+
+def test_bad_requests_and_closed_engine() -> None:
+    eng = PrefillEngine(SteppedBackend(), PREDICTOR).start()
+    with pytest.raises(InvalidRequestError, match="empty"):
+        eng.submit([], ttft_slo_s=1.0)
+    with pytest.raises(InvalidRequestError, match="context"):
+        eng.submit(prompt(1, 200_000), ttft_slo_s=1.0)
+    with pytest.raises(InvalidRequestError, match="positive"):
+        eng.submit(prompt(1, 10), ttft_slo_s=-1.0)
+    eng.submit(prompt(1, 10), ttft_slo_s=1.0, request_id="same")
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        eng.submit(prompt(1, 10), ttft_slo_s=1.0, request_id="same")
+    eng.close()
+    with pytest.raises(EngineClosedError):
+        eng.submit(prompt(1, 10), ttft_slo_s=1.0)
+
+
+def test_close_without_drain_answers_every_caller() -> None:
+    eng = PrefillEngine(SteppedBackend(), PREDICTOR, batching="none").start()
+    futs = [eng.submit(prompt(i, 5_000), ttft_slo_s=30.0) for i in range(3)]
+    time.sleep(0.02)
+    eng.close(drain=False)
+    for f in futs:
+        assert f.done()
+        assert f.exception() is not None
+
+
+def test_metrics_are_exported() -> None:
+    from prometheus_client import generate_latest
+
+    with PrefillEngine(SteppedBackend(), PREDICTOR, batching="none") as eng:
+        long_f = eng.submit(prompt(1, 10_000), ttft_slo_s=10.0, slo_class="file")
+        time.sleep(0.03)
+        eng.submit(prompt(2, 100), ttft_slo_s=0.5, slo_class="chat").result(timeout=5)
+        long_f.result(timeout=5)
+    text = generate_latest(eng.metrics.registry).decode()
+    assert "flowprefill_prefill_preemptions_total 1.0" in text
+    assert 'flowprefill_prefill_ttft_seconds_count{slo_class="chat"} 1.0' in text
+    assert "flowprefill_prefill_preemption_blocking_seconds_count 1.0" in text
+    assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="chat"} 1.0' in text
