@@ -1,0 +1,243 @@
+"""ServingPool: the replicas of one role (prefill or decode) of one served model."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
+
+Role = Literal["prefill", "decode"]
+Granularity = Literal["operator", "layer", "none"]
+Policy = Literal["s-edf", "d-edf", "edf", "fcfs"]
+
+
+class PVCSource(CRModel):
+    """A PersistentVolumeClaim holding the model, mounted read-only."""
+
+    claim_name: str = Field(max_length=253, description="Name of the PVC in the pool's namespace.")
+    mount_path: str = Field(
+        default="/models", pattern=r"^/", max_length=256, description="Where the PVC is mounted."
+    )
+    sub_path: str = Field(default="", max_length=1024, description="Sub-directory of the volume.")
+
+
+class ImageSource(CRModel):
+    """An OCI image holding the model, mounted as an image volume (Kubernetes >= 1.33)."""
+
+    reference: str = Field(max_length=512, description="Image reference, pinned by digest ideally.")
+    mount_path: str = Field(
+        default="/models", pattern=r"^/", max_length=256, description="Where the image is mounted."
+    )
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy of the model image."
+    )
+
+
+class ModelSource(CRModel):
+    """Where the weights come from. No hub downloads: a PVC, an image, or the engine image."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!(has(self.pvc) && has(self.image))", "set at most one of pvc and image"),
+                cel(
+                    "!has(self.pvc) || self.path.startsWith(self.pvc.mountPath)",
+                    "path must lie under pvc.mountPath",
+                ),
+                cel(
+                    "!has(self.image) || self.path.startsWith(self.image.mountPath)",
+                    "path must lie under image.mountPath",
+                ),
+            ]
+        }
+    )
+
+    path: str = Field(
+        pattern=r"^/", max_length=1024, description="Model directory as seen inside the container."
+    )
+    name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Served model name (the request's `model`); defaults to the service name.",
+    )
+    pvc: PVCSource | None = Field(default=None, description="Mount the model from a PVC.")
+    image: ImageSource | None = Field(default=None, description="Mount the model from an image.")
+
+    @model_validator(mode="after")
+    def _mirror_cel(self) -> ModelSource:
+        if self.pvc and self.image:
+            raise ValueError("set at most one of pvc and image")
+        mount = self.pvc or self.image
+        if mount and not self.path.startswith(mount.mount_path):
+            raise ValueError(f"path must lie under {'pvc' if self.pvc else 'image'}.mountPath")
+        return self
+
+
+class ConfigMapKeyRef(CRModel):
+    """A key of a ConfigMap in the pool's namespace."""
+
+    name: str = Field(max_length=253, description="ConfigMap name.")
+    key: str = Field(default="profile.json", max_length=253, description="Key within the ConfigMap.")
+
+
+class EngineSettings(CRModel):
+    """Prefill engine settings, written to the engine's JSON config."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.chunkSize) || self.chunkSize <= self.batchTokenBudget",
+                    "chunkSize must not exceed batchTokenBudget",
+                )
+            ]
+        }
+    )
+
+    granularity: Granularity = Field(
+        default="operator", description="Preemption granularity: operator, layer or none."
+    )
+    batch_token_budget: int = Field(
+        default=4096, ge=1, le=1_048_576, description="Token budget of one prefill batch."
+    )
+    chunk_size: int | None = Field(
+        default=None, ge=1, le=1_048_576, description="Chunked-prefill size in tokens; unset = off."
+    )
+    policy: Policy = Field(default="s-edf", description="Scheduling policy (s-edf is FlowPrefill).")
+    ttft_profile: ConfigMapKeyRef | None = Field(
+        default=None, description="ConfigMap key holding the fitted TTFT profile JSON."
+    )
+    tp_size: int = Field(default=1, ge=1, le=16, description="Tensor-parallel degree.")
+    device: Literal["cuda", "cpu"] = Field(default="cuda", description="Device the engine runs on.")
+
+    @model_validator(mode="after")
+    def _mirror_cel(self) -> EngineSettings:
+        if self.chunk_size is not None and self.chunk_size > self.batch_token_budget:
+            raise ValueError("chunkSize must not exceed batchTokenBudget")
+        return self
+
+
+class Toleration(CRModel):
+    """A Kubernetes toleration."""
+
+    key: str | None = Field(default=None, max_length=317, description="Taint key.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Key/value relation.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value (Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect; unset matches all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="How long a NoExecute taint is tolerated."
+    )
+
+
+class PoolResources(CRModel):
+    """What each pod of the pool needs and where it may run."""
+
+    gpus_per_pod: int = Field(default=1, ge=0, le=16, description="GPUs requested per pod.")
+    gpu_resource_name: str = Field(
+        default="nvidia.com/gpu", max_length=253, description="Extended resource name of a GPU."
+    )
+    cpu: str | None = Field(default=None, pattern=QUANTITY, description="CPU request and limit.")
+    memory: str | None = Field(
+        default=None, pattern=QUANTITY, description="Memory request and limit."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pods must land on."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Taints the pods tolerate."
+    )
+
+
+class ServingPoolSpec(CRModel):
+    """Desired state of a serving pool."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.role == 'prefill' || !has(self.engine)", "engine applies to role=prefill"),
+                cel(
+                    "self.role == 'decode' || !has(self.vllmArgs) || size(self.vllmArgs) == 0",
+                    "vllmArgs applies to role=decode",
+                ),
+                cel(
+                    "!has(self.engine) || self.engine.device != 'cuda'"
+                    " || self.engine.tpSize <= self.resources.gpusPerPod",
+                    "engine.tpSize needs at least that many resources.gpusPerPod",
+                ),
+                cel("self.role == oldSelf.role", "role is immutable"),
+                cel("self.service == oldSelf.service", "service is immutable"),
+            ]
+        }
+    )
+
+    service: str = Field(
+        max_length=40,
+        pattern=DNS_LABEL,
+        description="Service name grouping the pools of one model; they share one gateway.",
+    )
+    role: Role = Field(description="prefill or decode (one pool per role).")
+    replicas: int = Field(
+        default=1, ge=0, le=1024, description="Pods in the pool; owned by /scale (kubectl, HPA)."
+    )
+    model: ModelSource = Field(description="Model weights and served name.")
+    image: str | None = Field(
+        default=None, max_length=512, description="Container image; defaults to the operator's."
+    )
+    engine: EngineSettings | None = Field(
+        default=None, description="Prefill engine settings (role=prefill; defaults apply if unset)."
+    )
+    vllm_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra vLLM server arguments (role=decode).",
+    )
+    resources: PoolResources = Field(
+        default=PoolResources(), description="GPUs, CPU, memory and placement per pod."
+    )
+    slo_class_selector: LabelSelector | None = Field(
+        default=None,
+        description="SLOClasses (same namespace) the service's gateway serves; unset = all.",
+    )
+
+    @model_validator(mode="after")
+    def _mirror_cel(self) -> ServingPoolSpec:
+        # The same rules as the CRD's CEL (the API server's copy); the operator re-checks
+        # so that an object admitted without them (old CRD, emulator) still fails clearly.
+        if self.role != "prefill" and self.engine is not None:
+            raise ValueError("engine applies to role=prefill")
+        if self.role != "decode" and self.vllm_args:
+            raise ValueError("vllmArgs applies to role=decode")
+        engine = self.engine
+        if engine and engine.device == "cuda" and engine.tp_size > self.resources.gpus_per_pod:
+            raise ValueError("engine.tpSize needs at least that many resources.gpusPerPod")
+        return self
+
+    @property
+    def engine_settings(self) -> EngineSettings:
+        """Engine settings with defaults (prefill pools may omit the block)."""
+        return self.engine or EngineSettings()
+
+
+class ServingPoolStatus(CRModel):
+    """Observed state of a serving pool."""
+
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation the status describes."
+    )
+    replicas: int = Field(default=0, description="Pods that exist (for /scale).")
+    ready_replicas: int = Field(default=0, description="Pods that pass readiness.")
+    updated_replicas: int = Field(default=0, description="Pods running the current template.")
+    selector: str = Field(default="", description="Label selector of the pods (for the HPA).")
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"] = Field(
+        default="Pending", description="Summary of the conditions."
+    )
+    gateway: str = Field(default="", description="In-cluster URL of the service's gateway.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing and Degraded.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )

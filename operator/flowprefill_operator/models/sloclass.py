@@ -1,0 +1,133 @@
+"""SLOClass: one latency tier (TTFT target, priority, match rules) the gateway serves."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from .common import CRModel, cel
+
+TaskType = Literal["text", "image", "search", "file", "other"]
+SHA256_HEX = r"^[a-f0-9]{64}$"
+HEADER_NAME = r"^[a-z0-9][a-z0-9-]*$"
+
+
+class HeaderMatch(CRModel):
+    """An HTTP header that must carry exactly this value."""
+
+    name: str = Field(
+        max_length=64, pattern=HEADER_NAME, description="Header name, lower case (e.g. x-slo-class)."
+    )
+    value: str = Field(max_length=256, description="Exact header value.")
+
+
+class SecretRef(CRModel):
+    """A Secret in the SLOClass' namespace; every value in its data is one API key."""
+
+    name: str = Field(max_length=253, description="Secret name.")
+
+
+class MatchRules(CRModel):
+    """How the gateway recognises a request of this class.
+
+    Every non-empty criterion must hold (AND); within a criterion any entry may match (OR).
+    The ``x-slo-class: <name>`` header always selects a class by name, rules or not.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.apiKeySecretRef) || !has(self.apiKeyHashes)"
+                    " || size(self.apiKeyHashes) == 0",
+                    "set either apiKeyHashes or apiKeySecretRef, not both",
+                )
+            ]
+        }
+    )
+
+    headers: list[HeaderMatch] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Headers that must all be present with these values.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    models: list[Annotated[str, Field(max_length=253)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Model names (the request's `model` field); any one may match.",
+    )
+    paths: list[Annotated[str, Field(max_length=256, pattern=r"^/")]] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Request path prefixes, e.g. /v1/chat/completions; any one may match.",
+    )
+    api_key_hashes: list[Annotated[str, Field(pattern=SHA256_HEX)]] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Lower-case hex SHA-256 of API keys (bearer tokens); never plaintext.",
+    )
+    api_key_secret_ref: SecretRef | None = Field(
+        default=None,
+        description="A Secret whose values are API keys; the operator hashes them into the table.",
+    )
+
+    @model_validator(mode="after")
+    def _mirror_cel(self) -> MatchRules:
+        if self.api_key_secret_ref and self.api_key_hashes:
+            raise ValueError("set either apiKeyHashes or apiKeySecretRef, not both")
+        return self
+
+
+class SLOClassSpec(CRModel):
+    """Desired state of an SLO class."""
+
+    task_type: TaskType = Field(description="Task type of the class (paper: text/image/search/file).")
+    ttft_slo_ms: int = Field(
+        ge=1, le=600_000, description="Time-to-first-token target in milliseconds."
+    )
+    tpot_slo_ms: int | None = Field(
+        default=None, ge=1, le=60_000, description="Optional time-per-output-token target in ms."
+    )
+    priority: int = Field(
+        default=0,
+        ge=-1000,
+        le=1000,
+        description="Higher is more urgent; negative priorities are sheddable under overload.",
+    )
+    attainment_target: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of requests that should meet the TTFT target (e.g. 0.9).",
+    )
+    default: bool = Field(
+        default=False, description="Requests matching no class fall into this one (one per namespace)."
+    )
+    match: MatchRules = Field(
+        default=MatchRules(), description="Rules that assign requests to this class."
+    )
+
+
+class SLOClassStatus(CRModel):
+    """Observed state of an SLO class."""
+
+    accepted: bool | None = Field(default=None, description="Whether the class is in use as specified.")
+    reason: str = Field(default="", description="Why the class is (not) accepted.")
+    message: str = Field(default="", description="Details for the reason.")
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation the acceptance was computed for."
+    )
+    attainment: float | None = Field(
+        default=None, description="Fraction of requests that met the TTFT target in the window."
+    )
+    request_count: int | None = Field(
+        default=None, description="Requests of this class the gateways finished in the window."
+    )
+    window_seconds: int | None = Field(
+        default=None, description="Length of the window the attainment covers."
+    )
+    last_scrape_time: str | None = Field(
+        default=None, description="When the gateways' metrics were last read (RFC 3339)."
+    )
