@@ -77,6 +77,7 @@ class Scheduler:
         self.running: Task | None = None
         self.stats = SchedulerStats()
         self._known_ids: set[str] = set()
+        self._waiting_rank: dict[str, RankInput] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -88,6 +89,10 @@ class Scheduler:
             raise InvalidRequestError(f"request {request.request_id} is {request.state}")
         self.waiting[request.request_id] = request
         self._known_ids.add(request.request_id)
+        # A waiting request's rank input never changes: compute (and predict) it once.
+        self._waiting_rank[request.request_id] = RankInput(
+            request.deadline_s, request.arrival_s, self.predict_s(request.num_tokens), request.seq
+        )
 
     def finish(self, task: Task, now_s: float, *, failed: bool = False) -> None:
         """A completion: ``task`` left the execution pool (done or failed)."""
@@ -105,6 +110,7 @@ class Scheduler:
     def cancel(self, request_id: str, now_s: float) -> Task | None:
         """Drop a request. Returns its task if no live request is left in it (to cancel it)."""
         r = self.waiting.pop(request_id, None)
+        self._waiting_rank.pop(request_id, None)
         if r is not None:
             r.transition(RequestState.CANCELLED, now_s)
             self._known_ids.discard(request_id)
@@ -122,6 +128,9 @@ class Scheduler:
 
     def rank_input(self, item: Request | Task) -> RankInput:
         if isinstance(item, Request):
+            cached = self._waiting_rank.get(item.request_id)
+            if cached is not None:
+                return cached
             return RankInput(
                 item.deadline_s, item.arrival_s, self.predict_s(item.num_tokens), item.seq
             )
@@ -183,6 +192,7 @@ class Scheduler:
         if isinstance(best, Request):
             for r in target.requests:
                 del self.waiting[r.request_id]
+                del self._waiting_rank[r.request_id]
             out.commands.append(Command(CommandKind.SUBMIT, target))
             self.stats.num_submits += 1
         else:

@@ -1,0 +1,78 @@
+"""``flowprefill`` command line: demo, profile, simulate.
+
+Subcommands import their heavy dependencies (torch, transformers) only when they run,
+so ``flowprefill --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from flowprefill.errors import FlowPrefillError
+
+Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+
+def _demo() -> Command:
+    from flowprefill import demo
+
+    return demo.add_arguments, demo.run
+
+
+def _profile() -> Command:
+    from flowprefill.predictor import cli as profile_cli
+
+    return profile_cli.add_arguments, profile_cli.run
+
+
+def _simulate() -> Command:
+    from flowprefill.sim import cli as sim_cli
+
+    return sim_cli.add_arguments, sim_cli.run
+
+
+COMMANDS: dict[str, tuple[str, Callable[[], Command]]] = {
+    "demo": ("FlowPrefill vs FCFS on a tiny local model: per-class TTFT attainment", _demo),
+    "profile": ("Fit the TTFT predictor on this engine and hardware", _profile),
+    "simulate": ("Goodput of every policy at GPU scale (discrete-event simulator)", _simulate),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flowprefill", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Only the chosen subcommand's module is imported (and so only its dependencies).
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    for name, (help_text, loader) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            add_arguments, run = loader()
+            add_arguments(p)
+            p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code: int = args._run(args)
+    except FlowPrefillError as e:
+        print(f"flowprefill {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
