@@ -7,6 +7,7 @@ error the scheduler will actually see for unseen prompt lengths.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -76,7 +77,7 @@ def profile(
     samples = measure(run, points, repeats=repeats, label="profiling prefill")
     predictor = TTFTPredictor.fit(samples, degree, hardware=hardware, model=model)
     # Held out: geometric midpoints between consecutive profiled lengths.
-    mids = sorted({round((a * b) ** 0.5) for a, b in zip(points, points[1:], strict=False)})
+    mids = sorted({round((a * b) ** 0.5) for a, b in itertools.pairwise(points)})
     mids = [m for m in mids if m not in set(points)]
     holdout = (
         measure(run, mids, repeats=repeats, label="held-out lengths", warmup=False) if mids else []
