@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
+from pydantic.json_schema import JsonDict
 
 from . import GROUP, VERSION
 from .models import ServingPoolSpec, ServingPoolStatus, SLOClassSpec, SLOClassStatus
@@ -35,7 +36,7 @@ class ResourceKind:
     status: type[BaseModel]
     printer_columns: list[dict[str, Any]]
     scale: bool = False
-    root_validations: list[dict[str, str]] = field(default_factory=list)
+    root_validations: list[JsonDict] = field(default_factory=list)
 
     @property
     def crd_name(self) -> str:
@@ -87,7 +88,8 @@ SERVINGPOOL = ResourceKind(
     scale=True,
     root_validations=[
         cel(
-            "size(self.metadata.name) <= 63 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+            "size(self.metadata.name) <= 63"
+            " && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
             "name must be a DNS-1035 label (it names the pool's Service)",
         ),
         cel(
@@ -137,9 +139,7 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
     if isinstance(out.get("default"), dict):
         # Nested structs default to {} and the API server fills their own defaults in.
         out["default"] = {}
-    if isinstance(out.get("default"), list) or (
-        "additionalProperties" in out and "default" in out
-    ):
+    if isinstance(out.get("default"), list) or ("additionalProperties" in out and "default" in out):
         del out["default"]  # omitted lists/maps already mean "empty"
     return out
 

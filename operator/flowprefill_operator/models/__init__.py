@@ -1,7 +1,7 @@
 """Custom resource models (the single source of ``crds/``) and the file contracts."""
 
 from .common import Condition, CRModel, LabelSelector
-from .configs import EngineConfig, Endpoint, GatewayConfig, SLOTable, SLOTableClass, SLOTableMatch
+from .configs import Endpoint, EngineConfig, GatewayConfig, SLOTable, SLOTableClass, SLOTableMatch
 from .servingpool import EngineSettings, ModelSource, ServingPoolSpec, ServingPoolStatus
 from .sloclass import MatchRules, SLOClassSpec, SLOClassStatus
 

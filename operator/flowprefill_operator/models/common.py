@@ -6,14 +6,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import JsonDict
 
 DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 
 
-def cel(rule: str, message: str, **extra: str) -> dict[str, str]:
+def cel(rule: str, message: str) -> JsonDict:
     """One ``x-kubernetes-validations`` entry (a CEL rule the API server enforces)."""
-    return {"rule": rule, "message": message, **extra}
+    return {"rule": rule, "message": message}
 
 
 class CRModel(BaseModel):

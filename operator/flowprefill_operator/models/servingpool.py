@@ -79,7 +79,9 @@ class ConfigMapKeyRef(CRModel):
     """A key of a ConfigMap in the pool's namespace."""
 
     name: str = Field(max_length=253, description="ConfigMap name.")
-    key: str = Field(default="profile.json", max_length=253, description="Key within the ConfigMap.")
+    key: str = Field(
+        default="profile.json", max_length=253, description="Key within the ConfigMap."
+    )
 
 
 class EngineSettings(CRModel):
@@ -158,7 +160,9 @@ class ServingPoolSpec(CRModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("self.role == 'prefill' || !has(self.engine)", "engine applies to role=prefill"),
+                cel(
+                    "self.role == 'prefill' || !has(self.engine)", "engine applies to role=prefill"
+                ),
                 cel(
                     "self.role == 'decode' || !has(self.vllmArgs) || size(self.vllmArgs) == 0",
                     "vllmArgs applies to role=decode",
@@ -208,7 +212,7 @@ class ServingPoolSpec(CRModel):
         # The same rules as the CRD's CEL (the API server's copy); the operator re-checks
         # so that an object admitted without them (old CRD, emulator) still fails clearly.
         if self.role != "prefill" and self.engine is not None:
-            raise ValueError("engine applies to role=prefill")
+            raise ValueError("engine is for role=prefill")
         if self.role != "decode" and self.vllm_args:
             raise ValueError("vllmArgs applies to role=decode")
         engine = self.engine

@@ -17,7 +17,9 @@ class HeaderMatch(CRModel):
     """An HTTP header that must carry exactly this value."""
 
     name: str = Field(
-        max_length=64, pattern=HEADER_NAME, description="Header name, lower case (e.g. x-slo-class)."
+        max_length=64,
+        pattern=HEADER_NAME,
+        description="Header name, lower case (e.g. x-slo-class).",
     )
     value: str = Field(max_length=256, description="Exact header value.")
 
@@ -83,7 +85,9 @@ class MatchRules(CRModel):
 class SLOClassSpec(CRModel):
     """Desired state of an SLO class."""
 
-    task_type: TaskType = Field(description="Task type of the class (paper: text/image/search/file).")
+    task_type: TaskType = Field(
+        description="Task type (the paper's text/image/search/file, or other)."
+    )
     ttft_slo_ms: int = Field(
         ge=1, le=600_000, description="Time-to-first-token target in milliseconds."
     )
@@ -103,7 +107,7 @@ class SLOClassSpec(CRModel):
         description="Fraction of requests that should meet the TTFT target (e.g. 0.9).",
     )
     default: bool = Field(
-        default=False, description="Requests matching no class fall into this one (one per namespace)."
+        default=False, description="Unmatched requests fall into this class (one per namespace)."
     )
     match: MatchRules = Field(
         default=MatchRules(), description="Rules that assign requests to this class."
@@ -113,7 +117,9 @@ class SLOClassSpec(CRModel):
 class SLOClassStatus(CRModel):
     """Observed state of an SLO class."""
 
-    accepted: bool | None = Field(default=None, description="Whether the class is in use as specified.")
+    accepted: bool | None = Field(
+        default=None, description="Whether the class is in use as specified."
+    )
     reason: str = Field(default="", description="Why the class is (not) accepted.")
     message: str = Field(default="", description="Details for the reason.")
     observed_generation: int | None = Field(

@@ -1,0 +1,158 @@
+"""Pure: the pools of one service -> the service's gateway (Deployment, Service, ConfigMaps)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..models import Endpoint, GatewayConfig, SLOTable
+from ..settings import OperatorSettings
+from .common import (
+    CONFIG_HASH,
+    GATEWAY_PORT,
+    SCRATCH_ENV,
+    Manifest,
+    PoolRef,
+    component_labels,
+    config_hash,
+    configmap,
+    container_security_context,
+    dumps,
+    gateway_selector,
+    http_probes,
+    metadata,
+    owner_reference,
+    pod_security_context,
+)
+from .pool import pool_port
+
+GATEWAY_CONFIG_PATH = "/etc/flowprefill/gateway.json"
+SLO_DIR = "/etc/flowprefill/slo"
+SLO_TABLE_FILE = "slo-table.json"
+
+
+def gateway_name(service: str) -> str:
+    return f"{service}-gateway"
+
+
+def slo_table_name(service: str) -> str:
+    return f"{service}-slo-table"
+
+
+def gateway_url(service: str, namespace: str, settings: OperatorSettings) -> str:
+    return (
+        f"http://{gateway_name(service)}.{namespace}.svc.{settings.cluster_domain}:{GATEWAY_PORT}"
+    )
+
+
+def gateway_command() -> list[str]:
+    return [
+        "flowprefill", "serve-gateway",
+        "--config", GATEWAY_CONFIG_PATH,
+        "--slo-table", f"{SLO_DIR}/{SLO_TABLE_FILE}",
+        "--port", str(GATEWAY_PORT),
+    ]  # fmt: skip
+
+
+def build_gateway_config(pools: list[PoolRef], settings: OperatorSettings) -> GatewayConfig:
+    first = pools[0]
+
+    def endpoint(pool: PoolRef) -> Endpoint:
+        host = f"{pool.name}.{pool.namespace}.svc.{settings.cluster_domain}"
+        port = pool_port(pool.spec)
+        return Endpoint(pool=pool.name, host=host, port=port, url=f"http://{host}:{port}")
+
+    ordered = sorted(pools, key=lambda p: p.name)
+    return GatewayConfig(
+        service=first.spec.service,
+        model_name=next((p.spec.model.name for p in ordered if p.spec.model.name), None)
+        or first.spec.service,
+        prefill=[endpoint(p) for p in ordered if p.spec.role == "prefill"],
+        decode=[endpoint(p) for p in ordered if p.spec.role == "decode"],
+    )
+
+
+def _owners(pools: list[PoolRef]) -> list[dict[str, Any]]:
+    # Owned by every pool of the service: garbage-collected after the last one goes.
+    return [owner_reference(p, controller=False) for p in sorted(pools, key=lambda p: p.name)]
+
+
+def build_slo_table_configmap(pools: list[PoolRef], table: SLOTable) -> Manifest:
+    service, namespace = pools[0].spec.service, pools[0].namespace
+    meta = metadata(
+        slo_table_name(service), namespace, component_labels(service, "gateway"), _owners(pools)
+    )
+    return configmap(meta, {SLO_TABLE_FILE: dumps(table.model_dump())})
+
+
+def build_gateway_children(
+    pools: list[PoolRef], table: SLOTable, settings: OperatorSettings
+) -> list[Manifest]:
+    """ConfigMaps, Deployment and Service of one service's gateway (``pools`` non-empty)."""
+    service, namespace = pools[0].spec.service, pools[0].namespace
+    labels = component_labels(service, "gateway")
+    owners = _owners(pools)
+    name = gateway_name(service)
+    config = configmap(
+        metadata(name, namespace, labels, owners),
+        {"gateway.json": dumps(build_gateway_config(pools, settings).model_dump())},
+    )
+    volumes = [
+        {"name": "config", "configMap": {"name": name}},
+        {"name": "slo", "configMap": {"name": slo_table_name(service)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts = [
+        {"name": "config", "mountPath": GATEWAY_CONFIG_PATH, "subPath": "gateway.json",
+         "readOnly": True},
+        # A directory mount (not subPath) so the kubelet refreshes the table in place.
+        {"name": "slo", "mountPath": SLO_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]  # fmt: skip
+    container = {
+        "name": "gateway",
+        "image": settings.gateway_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": gateway_command(),
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "env": list(SCRATCH_ENV),
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+        **http_probes("http", ready_path="/ready", startup_s=60),
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(name, namespace, labels, owners),
+        "spec": {
+            "replicas": settings.gateway_replicas,
+            "selector": {"matchLabels": gateway_selector(service)},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    # The SLO table is hot-reloaded; only gateway.json changes roll the pods.
+                    "annotations": {CONFIG_HASH: config_hash(config["data"])},
+                },
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security_context(),
+                    "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(name, namespace, labels, owners),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": gateway_selector(service),
+            "ports": [
+                {"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+    return [config, build_slo_table_configmap(pools, table), deployment, svc]

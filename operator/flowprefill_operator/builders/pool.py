@@ -1,0 +1,220 @@
+"""Pure: one ServingPool -> its Deployment, headless Service and (prefill) engine ConfigMap."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..models import EngineConfig, ServingPoolSpec
+from ..settings import OperatorSettings
+from .common import (
+    CONFIG_HASH,
+    DECODE_PORT,
+    PREFILL_PORT,
+    SCRATCH_ENV,
+    Manifest,
+    PoolRef,
+    component_labels,
+    config_hash,
+    configmap,
+    container_security_context,
+    dumps,
+    http_probes,
+    metadata,
+    owner_reference,
+    pod_security_context,
+    pool_selector,
+    scratch_volumes,
+)
+
+ENGINE_CONFIG_PATH = "/etc/flowprefill/engine.json"
+PROFILE_DIR = "/etc/flowprefill/profile"
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "FlowPrefillConnector",
+    "kv_connector_module_path": "flowprefill.kv.connector",
+    "kv_role": "kv_consumer",
+}
+
+
+def engine_configmap_name(pool_name: str) -> str:
+    return f"{pool_name}-engine"
+
+
+def pool_port(spec: ServingPoolSpec) -> int:
+    return PREFILL_PORT if spec.role == "prefill" else DECODE_PORT
+
+
+def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
+    engine = spec.engine_settings
+    profile = engine.ttft_profile
+    return EngineConfig(
+        model_path=spec.model.path,
+        granularity=engine.granularity,
+        batch_token_budget=engine.batch_token_budget,
+        chunk_size=engine.chunk_size,
+        policy=engine.policy,
+        predictor_path=f"{PROFILE_DIR}/{profile.key}" if profile else None,
+        tp_size=engine.tp_size,
+        device=engine.device,
+    )
+
+
+def prefill_command() -> list[str]:
+    return [
+        "flowprefill", "serve-prefill", "--config", ENGINE_CONFIG_PATH,
+        "--port", str(PREFILL_PORT),
+    ]  # fmt: skip
+
+
+def decode_command(spec: ServingPoolSpec) -> list[str]:
+    return [
+        "python", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model.path,
+        "--port", str(DECODE_PORT),
+        "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG, separators=(",", ":")),
+        *spec.vllm_args,
+    ]  # fmt: skip
+
+
+def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
+    res = spec.resources
+    amounts: dict[str, str] = {}
+    if res.gpus_per_pod:
+        amounts[res.gpu_resource_name] = str(res.gpus_per_pod)
+    if res.cpu:
+        amounts["cpu"] = res.cpu
+    if res.memory:
+        amounts["memory"] = res.memory
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def _model_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    model = spec.model
+    if model.pvc:
+        volume = {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": model.pvc.claim_name, "readOnly": True},
+        }
+        mount = {"name": "model", "mountPath": model.pvc.mount_path, "readOnly": True}
+        if model.pvc.sub_path:
+            mount["subPath"] = model.pvc.sub_path
+        return [volume], [mount]
+    if model.image:
+        volume = {
+            "name": "model",
+            "image": {"reference": model.image.reference, "pullPolicy": model.image.pull_policy},
+        }
+        return [volume], [{"name": "model", "mountPath": model.image.mount_path, "readOnly": True}]
+    return [], []  # the weights ship inside the engine image
+
+
+def build_engine_configmap(pool: PoolRef) -> Manifest:
+    labels = component_labels(pool.spec.service, pool.spec.role)
+    meta = metadata(
+        engine_configmap_name(pool.name),
+        pool.namespace,
+        labels,
+        [owner_reference(pool, controller=True)],
+    )
+    return configmap(meta, {"engine.json": dumps(build_engine_config(pool.spec).model_dump())})
+
+
+def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: str) -> Manifest:
+    spec = pool.spec
+    labels = component_labels(spec.service, spec.role) | pool_selector(pool.name)
+    volumes, mounts = scratch_volumes()
+    model_volumes, model_mounts = _model_volume(spec)
+    volumes += model_volumes
+    mounts += model_mounts
+    if spec.role == "prefill":
+        image = spec.image or settings.prefill_image
+        command = prefill_command()
+        volumes.append({"name": "engine", "configMap": {"name": engine_configmap_name(pool.name)}})
+        mounts.append(
+            {"name": "engine", "mountPath": ENGINE_CONFIG_PATH, "subPath": "engine.json",
+             "readOnly": True}
+        )  # fmt: skip
+        profile = spec.engine_settings.ttft_profile
+        if profile:
+            volumes.append({"name": "profile", "configMap": {"name": profile.name}})
+            mounts.append({"name": "profile", "mountPath": PROFILE_DIR, "readOnly": True})
+        probes = http_probes("http", ready_path="/ready", startup_s=900)
+    else:
+        image = spec.image or settings.decode_image
+        command = decode_command(spec)
+        probes = http_probes("http", ready_path="/health", startup_s=1800)
+    container: dict[str, Any] = {
+        "name": spec.role,
+        "image": image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": command,
+        "ports": [{"name": "http", "containerPort": pool_port(spec), "protocol": "TCP"}],
+        "env": list(SCRATCH_ENV),
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+        **probes,
+    }
+    if resources := _resources(spec):
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 60,
+    }
+    if spec.resources.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    if spec.resources.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
+                                   for t in spec.resources.tolerations]  # fmt: skip
+    annotations = {CONFIG_HASH: config_digest} if config_digest else {}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(
+            pool.name, pool.namespace, labels, [owner_reference(pool, controller=True)]
+        ),
+        "spec": {
+            "replicas": spec.replicas,  # the pool's /scale is the one owner of this number
+            "selector": {"matchLabels": pool_selector(pool.name)},
+            "template": {
+                "metadata": {"labels": labels, "annotations": annotations},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_pool_service(pool: PoolRef) -> Manifest:
+    """Headless: the pool's DNS name resolves to every ready pod; the gateway picks one."""
+    spec = pool.spec
+    labels = component_labels(spec.service, spec.role) | pool_selector(pool.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(
+            pool.name, pool.namespace, labels, [owner_reference(pool, controller=True)]
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "selector": pool_selector(pool.name),
+            "ports": [
+                {"name": "http", "port": pool_port(spec), "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def build_pool_children(pool: PoolRef, settings: OperatorSettings) -> list[Manifest]:
+    """Every object one pool owns, in apply order (config before the pods that read it)."""
+    children: list[Manifest] = []
+    digest = ""
+    if pool.spec.role == "prefill":
+        cm = build_engine_configmap(pool)
+        digest = config_hash(cm["data"])
+        children.append(cm)
+    children.append(build_deployment(pool, settings, digest))
+    children.append(build_pool_service(pool))
+    return children

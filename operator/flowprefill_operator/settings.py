@@ -1,0 +1,54 @@
+"""Operator settings: read once from ``FLOWPREFILL_OPERATOR_*`` environment variables.
+
+The Helm chart sets them from values.yaml; every field has a safe default for tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ENV_PREFIX = "FLOWPREFILL_OPERATOR_"
+
+
+class OperatorSettings(BaseModel):
+    """Knobs of the operator process (not of any one custom resource)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefill_image: str = Field(
+        default="ghcr.io/flowprefill/prefill:0.1.0", description="Default prefill engine image."
+    )
+    decode_image: str = Field(
+        default="ghcr.io/flowprefill/decode:0.1.0", description="Default vLLM decode image."
+    )
+    gateway_image: str = Field(
+        default="ghcr.io/flowprefill/gateway:0.1.0", description="Gateway image."
+    )
+    image_pull_policy: str = Field(default="IfNotPresent", description="Pull policy of children.")
+    gateway_replicas: int = Field(default=1, ge=1, description="Gateway pods per service.")
+    cluster_domain: str = Field(default="cluster.local", description="Cluster DNS domain.")
+    reconcile_interval_s: float = Field(
+        default=30.0, gt=0, description="Timer: re-apply children and fold their state into status."
+    )
+    attainment_interval_s: float = Field(
+        default=30.0, gt=0, description="Timer: scrape gateway metrics into SLOClass status."
+    )
+    attainment_window_s: float = Field(
+        default=300.0, gt=0, description="Window the SLOClass attainment covers."
+    )
+    scrape_timeout_s: float = Field(default=3.0, gt=0, description="Timeout of one metrics scrape.")
+    api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of one API request.")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            key = ENV_PREFIX + name.upper()
+            if key in env:
+                values[name] = env[key]
+        return cls.model_validate(values)
