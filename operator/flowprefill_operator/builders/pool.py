@@ -56,6 +56,7 @@ def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
         predictor_path=f"{PROFILE_DIR}/{profile.key}" if profile else None,
         tp_size=engine.tp_size,
         device=engine.device,
+        dtype=engine.dtype,
     )
 
 

@@ -29,6 +29,7 @@ class EngineConfig(_Contract):
     predictor_path: str | None = Field(description="TTFT profile JSON; null = built-in default.")
     tp_size: int = Field(description="Tensor-parallel degree.")
     device: str = Field(description="Torch device (cuda or cpu).")
+    dtype: str = Field(description="Weights and activations dtype.")
 
 
 class Endpoint(_Contract):

@@ -105,7 +105,10 @@ class EngineSettings(CRModel):
         default=4096, ge=1, le=1_048_576, description="Token budget of one prefill batch."
     )
     chunk_size: int | None = Field(
-        default=None, ge=1, le=1_048_576, description="Chunked-prefill size in tokens; unset = off."
+        default=None,
+        ge=16,
+        le=1_048_576,
+        description="Chunked-prefill size in tokens; unset = off.",
     )
     policy: Policy = Field(default="s-edf", description="Scheduling policy (s-edf is FlowPrefill).")
     ttft_profile: ConfigMapKeyRef | None = Field(
@@ -113,6 +116,9 @@ class EngineSettings(CRModel):
     )
     tp_size: int = Field(default=1, ge=1, le=16, description="Tensor-parallel degree.")
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="Device the engine runs on.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="Weights and activations dtype."
+    )
 
     @model_validator(mode="after")
     def _mirror_cel(self) -> EngineSettings:
@@ -212,7 +218,7 @@ class ServingPoolSpec(CRModel):
         # The same rules as the CRD's CEL (the API server's copy); the operator re-checks
         # so that an object admitted without them (old CRD, emulator) still fails clearly.
         if self.role != "prefill" and self.engine is not None:
-            raise ValueError("engine is for role=prefill")
+            raise ValueError("engine applies to role=prefill")
         if self.role != "decode" and self.vllm_args:
             raise ValueError("vllmArgs applies to role=decode")
         engine = self.engine
