@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -156,22 +155,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowprefill.backend import build_backend, quick_profile
+    from flowprefill.backend import build_executor, load_engine_model, quick_profile
 
     console = Console()
     if args.duration <= 0:
         raise SystemExit("--duration must be positive")
     if not 0 < args.load <= 2:
         raise SystemExit("--load must be in (0, 2]")
+    systems = {
+        "FlowPrefill": dict(policy="s-edf", batching="slo-aware", granularity="operator"),
+        "FCFS": dict(policy="fcfs", batching="none", granularity="none"),
+    }
     base = EngineConfig(model_path=args.model)
     with console.status(f"loading {args.model}"):
-        backend = build_backend(base)
+        model = load_engine_model(base)
+    executor = build_executor(base, model)
     predictor = (
-        TTFTPredictor.load(args.profile) if args.profile else quick_profile(backend, console)
+        TTFTPredictor.load(args.profile)
+        if args.profile
+        else quick_profile(executor, console, model_name=args.model)
     )
+    executor.close()
     classes = [
         DemoClass("chat", 0.7, 32, 384, slo_x=3.0),
-        DemoClass("search", 0.3, 1024, min(3072, backend.max_context_tokens), slo_x=8.0),
+        DemoClass("search", 0.3, 1024, min(3072, executor.max_prompt_tokens), slo_x=8.0),
     ]
     slos = {c.name: c.slo_x * predictor.predict_s(c.max_tokens) for c in classes}
     workload = make_workload(
@@ -179,29 +186,22 @@ def run(args: argparse.Namespace) -> int:
         classes=classes,
         duration_s=args.duration,
         load=args.load,
-        vocab_size=backend.vocab_size,
+        vocab_size=executor.vocab_size,
         seed=args.seed,
     )
     console.print(
         f"{len(workload)} requests over {args.duration:.0f} s per system; "
         + ", ".join(f"{k} SLO {v * 1e3:.0f} ms" for k, v in slos.items())
     )
-    systems = {
-        "FlowPrefill": dict(policy="s-edf", batching="slo-aware", granularity="operator"),
-        "FCFS": dict(policy="fcfs", batching="none", granularity="none"),
-    }
     reports = []
     for name, settings in systems.items():
-        backend.set_granularity(settings["granularity"])
-        engine = PrefillEngine(
-            backend,
-            predictor,
-            policy=settings["policy"],
-            batching=settings["batching"],
-        )
-        with engine, console.status(f"replaying {len(workload)} requests through {name}"):
-            reports.append(replay(engine, name, workload))
-        threading.Event().wait(0.2)  # let the last task threads wind down
+        config = base.model_copy(update={"granularity": settings["granularity"]})
+        with build_executor(config, model) as ex:
+            engine = PrefillEngine(
+                ex, predictor, policy=settings["policy"], batching=settings["batching"]
+            )
+            with engine, console.status(f"replaying {len(workload)} requests through {name}"):
+                reports.append(replay(engine, name, workload))
     console.print(render(reports, classes, slos))
     for rep in reports:
         blocking = (

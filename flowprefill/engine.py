@@ -31,7 +31,7 @@ class PrefillBackend(Protocol):
     """Runs a batch of prompts on the calling thread, reaching checkpoints on the way."""
 
     @property
-    def max_context_tokens(self) -> int: ...
+    def max_prompt_tokens(self) -> int: ...
 
     def run(self, prompts: Sequence[Sequence[int]], control: TaskControl) -> Sequence[Any]:
         """One output per prompt, in order."""
@@ -190,7 +190,7 @@ class PrefillEngine:
             ttft_slo_s=ttft_slo_s,
             prompt_token_ids=list(prompt_token_ids),
             slo_class=slo_class,
-            max_tokens=self.backend.max_context_tokens,
+            max_tokens=self.backend.max_prompt_tokens,
         )
         fut: Future[PrefillResult] = Future()
         with self._lock:

@@ -24,7 +24,7 @@ TOKENS_PER_OP = 50
 class SteppedBackend:
     """Prefill stand-in: one checkpointed step per TOKENS_PER_OP tokens of the batch."""
 
-    max_context_tokens = 100_000
+    max_prompt_tokens = 100_000
 
     def __init__(self) -> None:
         self.order: list[tuple[str, tuple[int, ...]]] = []
