@@ -1,0 +1,285 @@
+"""The preemptible prefill executor: a batch of prompts in, first tokens and KV caches out.
+
+One forward pass (or one per chunk) runs the whole batch; preemption checkpoints fire from
+hooks inside it. A task that is preempted parks its thread *inside* the forward pass, so
+resuming continues the same Python frame with every tensor untouched: the result of a
+preempted-and-resumed prefill is bit-identical to an uninterrupted one.
+
+Typical use by the execution pool, one thread per task::
+
+    executor = PreemptibleExecutor(model, granularity="operator", chunk_size=None)
+    control = TaskControl(name="batch-7")
+    outputs = executor.run(prompts, control)     # on the task's thread
+    # meanwhile the scheduler thread: control.request_preempt(); ...; control.resume()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from flowprefill.errors import InvalidRequestError
+from flowprefill.executor.checkpoints import check_granularity, install_checkpoints
+from flowprefill.executor.device import (
+    DeviceBackend,
+    SyncMode,
+    backend_for,
+    boundary_fn,
+    check_sync_mode,
+    per_check_sync,
+)
+from flowprefill.executor.packing import PackedBatch, block_causal_mask, chunk_spans, pack
+from flowprefill.executor.preemption import TaskControl, activate, current_control
+
+PromptLike = Sequence[int] | torch.Tensor
+
+_SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    """Result of one request's prefill.
+
+    ``kv_cache[layer] = (key, value)``, each ``[num_kv_heads, num_tokens, head_dim]`` with
+    RoPE applied (as the model stores them). For a batch they are *views* into the batch's
+    cache tensors (no copy on the critical path); ``.contiguous()`` or ``.clone()`` them
+    to get independent storage.
+    """
+
+    first_token_id: int
+    logits: torch.Tensor  # [vocab_size] float32, last prompt position
+    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]
+    num_prompt_tokens: int
+
+
+class PreemptibleExecutor:
+    """Runs batched prefills of one model with preemption checkpoints installed.
+
+    Thread-safe in the sense the pool needs: several task threads may each be inside
+    :meth:`run` (all but one parked); they share the weights and hooks, and each has its
+    own cache, control and stream.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        granularity: str = "operator",
+        chunk_size: int | None = None,
+        device: str | torch.device | None = None,
+        sync: str = "every_check",
+        backend: DeviceBackend | None = None,
+    ) -> None:
+        """``sync`` (``every_check`` | ``on_preempt``) only matters on CUDA; see
+        :mod:`flowprefill.executor.device` for the trade-off. ``backend`` overrides the
+        stream backend chosen from ``device`` (tests use a fake one)."""
+        check_granularity(granularity)
+        self.sync_mode: SyncMode = check_sync_mode(sync)
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+        attention = getattr(model.config, "_attn_implementation", None)
+        if attention not in _SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"attention implementation {attention!r} is not supported by the packed "
+                f"batch path; load the model with attn_implementation in {_SUPPORTED_ATTENTION}"
+            )
+        self.device = torch.device(device) if device is not None else model.device
+        # nn.Module.to directly: transformers' typing of PreTrainedModel.to confuses mypy.
+        torch.nn.Module.to(model, self.device)
+        self.model = model.eval()
+        self.backend = backend if backend is not None else backend_for(self.device)
+        self.backend.prepare()
+        self.granularity = granularity
+        self.chunk_size = chunk_size
+        self._attention = attention
+        self._on_boundary = boundary_fn(self.backend, self.sync_mode)
+        self._handle = install_checkpoints(model, granularity, on_boundary=self._on_boundary)
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_prompt_tokens = int(config.max_position_embeddings)
+        self.num_layers = int(config.num_hidden_layers)
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def num_checkpoints_per_forward(self) -> int:
+        return self._handle.num_checkpoints_per_forward
+
+    @property
+    def placed_checkpoints(self) -> list[str]:
+        from flowprefill.executor.checkpoints import describe
+
+        return describe(self._handle.placed)
+
+    def expected_checkpoints(self, prompt_lengths: Sequence[int]) -> int:
+        """Checkpoints one prefill of these prompts passes: hooks per chunk plus one
+        between consecutive chunks."""
+        num_chunks = len(chunk_spans(sum(prompt_lengths), self.chunk_size))
+        return num_chunks * self.num_checkpoints_per_forward + (num_chunks - 1)
+
+    # ------------------------------------------------------------- validation
+
+    def validate(self, prompts: Sequence[PromptLike]) -> list[torch.Tensor]:
+        """Check every prompt; return them as 1-D int64 CPU tensors.
+
+        Raises InvalidRequestError for an empty batch, an empty prompt, a non-integer or
+        non-1-D prompt, a token id outside ``[0, vocab_size)`` or a prompt longer than the
+        model's ``max_position_embeddings``. Runs before any device work, so a bad request
+        never reaches the forward pass (and never leaves a task hanging).
+        """
+        if len(prompts) == 0:
+            raise InvalidRequestError("empty batch: no prompts to prefill")
+        tensors: list[torch.Tensor] = []
+        for index, prompt in enumerate(prompts):
+            try:
+                tokens = torch.as_tensor(prompt).to("cpu")
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise InvalidRequestError(
+                    f"prompt {index} is not a list of token ids: {err}"
+                ) from err
+            if tokens.numel() == 0:
+                raise InvalidRequestError(f"prompt {index} is empty")
+            if tokens.ndim != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
+                raise InvalidRequestError(
+                    f"prompt {index} must be a flat sequence of integer token ids "
+                    f"(got shape {tuple(tokens.shape)}, dtype {tokens.dtype})"
+                )
+            if tokens.numel() > self.max_prompt_tokens:
+                raise InvalidRequestError(
+                    f"prompt {index} has {tokens.numel()} tokens; the model supports at most "
+                    f"{self.max_prompt_tokens}"
+                )
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise InvalidRequestError(
+                    f"prompt {index} has token id {bad} outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+            tensors.append(tokens.to(torch.long))
+        return tensors
+
+    # -------------------------------------------------------------- execution
+
+    def run(
+        self, prompts: Sequence[PromptLike], control: TaskControl | None = None
+    ) -> list[PrefillOutput]:
+        """Run one task on the calling thread: activate ``control``, open the task's stream,
+        prefill, and wait for the device before returning.
+
+        ``control.device_sync`` is set to drain this task's stream, so a preempted task
+        leaves no queued kernels behind when it ACKs. Raises TaskCancelledError if the
+        control is cancelled at a checkpoint.
+        """
+        tokens = self.validate(prompts)
+        stream = self.backend.new_stream()
+        check_sync = None
+        if control is not None and self.backend.asynchronous:
+
+            def drain() -> None:
+                self.backend.synchronize(stream)
+
+            control.device_sync = drain
+            check_sync = drain if self.sync_mode == "every_check" else None
+        with activate(control), per_check_sync(check_sync), self.backend.stream_context(stream):
+            outputs = self._prefill(tokens)
+        # Results leave the task only once the device has produced them.
+        self.backend.synchronize(stream)
+        return outputs
+
+    def prefill(self, prompts: Sequence[PromptLike]) -> list[PrefillOutput]:
+        """Prefill on the calling thread's current stream and active control (if any)."""
+        return self._prefill(self.validate(prompts))
+
+    def _prefill(self, tokens: list[torch.Tensor]) -> list[PrefillOutput]:
+        lengths = [int(t.numel()) for t in tokens]
+        control = current_control()
+        if control is not None:
+            control.num_checkpoints_expected = control.num_checkpoints + self.expected_checkpoints(
+                lengths
+            )
+        with torch.inference_mode():
+            batch = pack(tokens, self.device)
+            cache = DynamicCache(config=self.model.config)
+            logits = self._forward_chunks(batch, cache)
+            return self._collect(batch, cache, logits)
+
+    def _forward_chunks(self, batch: PackedBatch, cache: DynamicCache) -> list[torch.Tensor]:
+        """Run the forward pass(es); return each request's last-position logits."""
+        last_indices = batch.last_indices
+        logits: list[torch.Tensor | None] = [None] * batch.num_requests
+        single = batch.num_requests == 1
+        for chunk_index, (start, end) in enumerate(chunk_spans(batch.num_tokens, self.chunk_size)):
+            if chunk_index > 0:
+                self._on_boundary()  # chunk boundaries are checkpoints at every granularity
+            # Requests whose last token falls in this chunk: only those rows reach lm_head.
+            finishing = [r for r, i in enumerate(last_indices) if start <= i < end]
+            keep = torch.tensor(
+                [last_indices[r] - start for r in finishing], dtype=torch.long, device=self.device
+            )
+            mask = None
+            if not single:
+                mask_dtype = None if self._attention == "sdpa" else self.model.dtype
+                mask = block_causal_mask(batch.sequence_ids, start, end, mask_dtype)
+            out = self.model(
+                input_ids=batch.input_ids[:, start:end],
+                position_ids=batch.position_ids[:, start:end],
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+            for row, request in enumerate(finishing):
+                logits[request] = out.logits[0, row].float()
+        assert all(item is not None for item in logits)
+        return [item for item in logits if item is not None]
+
+    def _collect(
+        self, batch: PackedBatch, cache: DynamicCache, logits: list[torch.Tensor]
+    ) -> list[PrefillOutput]:
+        layer_kv = [_full_kv(layer, batch.num_tokens) for layer in cache.layers]
+        outputs = []
+        for request, (start, length) in enumerate(zip(batch.starts, batch.lengths, strict=True)):
+            end = start + length
+            kv = [(k[0, :, start:end, :], v[0, :, start:end, :]) for k, v in layer_kv]
+            row = logits[request]
+            outputs.append(
+                PrefillOutput(
+                    first_token_id=int(torch.argmax(row)),
+                    logits=row,
+                    kv_cache=kv,
+                    num_prompt_tokens=length,
+                )
+            )
+        return outputs
+
+    def close(self) -> None:
+        """Remove the checkpoint hooks from the model."""
+        self._handle.remove()
+
+    def __enter__(self) -> PreemptibleExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _full_kv(layer: object, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one cache layer, checked to hold every prompt token.
+
+    A sliding-window or linear-attention layer would hold fewer (or no) positions; the KV
+    hand-off needs all of them, so such models are rejected here rather than handing off
+    a truncated cache.
+    """
+    keys = getattr(layer, "keys", None)
+    values = getattr(layer, "values", None)
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise ValueError(f"cache layer {type(layer).__name__} holds no key/value tensors")
+    if keys.shape[-2] != num_tokens:
+        raise ValueError(
+            f"cache layer {type(layer).__name__} holds {keys.shape[-2]} of {num_tokens} "
+            "positions (sliding window?); the executor needs full-attention layers"
+        )
+    return keys, values
