@@ -34,10 +34,17 @@ def _simulate() -> Command:
     return sim_cli.add_arguments, sim_cli.run
 
 
+def _serve_prefill() -> Command:
+    from flowprefill.server import cli as server_cli
+
+    return server_cli.add_arguments, server_cli.run
+
+
 COMMANDS: dict[str, tuple[str, Callable[[], Command]]] = {
     "demo": ("FlowPrefill vs FCFS on a tiny local model: per-class TTFT attainment", _demo),
     "profile": ("Fit the TTFT predictor on this engine and hardware", _profile),
     "simulate": ("Goodput of every policy at GPU scale (discrete-event simulator)", _simulate),
+    "serve-prefill": ("Run one prefill instance over HTTP", _serve_prefill),
 }
 
 

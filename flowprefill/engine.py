@@ -37,6 +37,10 @@ class PrefillBackend(Protocol):
         """One output per prompt, in order."""
         ...
 
+    def validate(self, prompts: Sequence[Sequence[int]]) -> Any:
+        """Raise InvalidRequestError for a prompt the model cannot take (token ids...)."""
+        ...
+
 
 class Predictor(Protocol):
     def predict_s(self, num_tokens: int) -> float: ...
@@ -192,6 +196,8 @@ class PrefillEngine:
             slo_class=slo_class,
             max_tokens=self.backend.max_prompt_tokens,
         )
+        # Checked here, not in the task: one bad prompt must not fail a whole batch.
+        self.backend.validate([request.prompt_token_ids or ()])
         fut: Future[PrefillResult] = Future()
         with self._lock:
             if rid in self._futures:

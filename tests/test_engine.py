@@ -29,6 +29,10 @@ class SteppedBackend:
     def __init__(self) -> None:
         self.order: list[tuple[str, tuple[int, ...]]] = []
 
+    def validate(self, prompts: Sequence[Sequence[int]]) -> None:
+        if any(t < 0 for p in prompts for t in p):
+            raise InvalidRequestError("negative token id")
+
     def run(self, prompts: Sequence[Sequence[int]], control: TaskControl) -> list[int]:
         key = tuple(p[0] for p in prompts)
         self.order.append(("start", key))
@@ -133,6 +137,8 @@ def test_bad_requests_and_closed_engine() -> None:
         eng.submit(prompt(1, 200_000), ttft_slo_s=1.0)
     with pytest.raises(InvalidRequestError, match="positive"):
         eng.submit(prompt(1, 10), ttft_slo_s=-1.0)
+    with pytest.raises(InvalidRequestError, match="negative token id"):
+        eng.submit([1, -3], ttft_slo_s=1.0)
     eng.submit(prompt(1, 10), ttft_slo_s=1.0, request_id="same")
     with pytest.raises(InvalidRequestError, match="already in flight"):
         eng.submit(prompt(1, 10), ttft_slo_s=1.0, request_id="same")

@@ -1,0 +1,154 @@
+"""HTTP server of one prefill instance: ``flowprefill serve-prefill``.
+
+Endpoints:
+
+* ``POST /v1/prefill`` — body :class:`PrefillRequest`; answers when the request's prefill
+  finished with its first token and the KV hand-off parameters for decode.
+* ``GET /health`` (process alive), ``GET /ready`` (engine accepting; 503 while draining),
+  ``GET /metrics`` (Prometheus text format).
+
+A client that disconnects while its request waits or runs cancels it in the engine
+(a running prefill stops at its next checkpoint). On SIGTERM uvicorn stops accepting
+connections, ``/ready`` turns 503, in-flight requests finish, then the engine closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from flowprefill.engine import PrefillEngine, PrefillResult
+from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
+from flowprefill.server.errors import error_response, install_error_handlers
+
+log = logging.getLogger(__name__)
+
+KVSink = Callable[[str, Any], dict[str, Any] | None]
+"""Hands one request's prefill output to decode; returns the decode-side parameters."""
+
+
+class PrefillRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1, max_length=256, description="Unique per request.")
+    prompt_token_ids: list[int] = Field(description="The tokenized prompt.")
+    ttft_budget_ms: float = Field(
+        gt=0, description="Time left until the request's TTFT deadline, as the gateway saw it."
+    )
+    slo_class: str = Field("default", max_length=128, description="SLO class name (metrics).")
+
+
+class PrefillResponse(BaseModel):
+    request_id: str
+    first_token_id: int
+    num_prompt_tokens: int
+    queue_and_prefill_ms: float = Field(description="Arrival here → first token.")
+    met_slo: bool
+    num_preemptions: int
+    batch_size: int
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="What decode needs to load this request's KV cache."
+    )
+
+
+async def _wait_unless_disconnected(request: Request, fut: Future[PrefillResult]) -> bool:
+    """Wait for ``fut``; return False if the client went away first."""
+    result: asyncio.Future[Any] = asyncio.wrap_future(fut)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    return result in done
+
+
+def create_app(engine: PrefillEngine, kv_sink: KVSink | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not engine.loop.running:
+            engine.start()
+        try:
+            yield
+        finally:
+            # uvicorn already drained in-flight HTTP requests; finish anything left.
+            await asyncio.to_thread(engine.close, drain=True, timeout_s=30.0)
+
+    app = FastAPI(title="FlowPrefill prefill instance", lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.post("/v1/prefill", response_model=PrefillResponse)
+    async def prefill(body: PrefillRequest, request: Request) -> Any:
+        try:
+            fut = engine.submit(
+                body.prompt_token_ids,
+                ttft_slo_s=body.ttft_budget_ms / 1e3,
+                slo_class=body.slo_class,
+                request_id=body.request_id,
+            )
+        except EngineClosedError as e:
+            return error_response(503, str(e), "service_unavailable")
+        if not await _wait_unless_disconnected(request, fut):
+            engine.cancel(body.request_id)
+            log.info("client gone: cancelled %s", body.request_id)
+            return error_response(499, "client closed the request", "cancelled")
+        try:
+            res = fut.result()
+        except TaskCancelledError as e:
+            return error_response(499, str(e), "cancelled")
+        except EngineClosedError as e:
+            return error_response(503, str(e), "service_unavailable")
+        except InvalidRequestError as e:
+            return error_response(400, str(e), "invalid_request_error")
+        except Exception as e:
+            log.exception("prefill of %s failed", body.request_id)
+            return error_response(500, f"prefill failed: {type(e).__name__}: {e}", "server_error")
+        kv_params = None
+        if kv_sink is not None:
+            t0 = time.perf_counter()
+            kv_params = await asyncio.to_thread(kv_sink, body.request_id, res.output)
+            log.debug(
+                "KV hand-off of %s took %.1f ms", body.request_id, (time.perf_counter() - t0) * 1e3
+            )
+        return PrefillResponse(
+            request_id=res.request_id,
+            first_token_id=int(res.output.first_token_id),
+            num_prompt_tokens=int(res.output.num_prompt_tokens),
+            queue_and_prefill_ms=res.ttft_s * 1e3,
+            met_slo=res.met_slo,
+            num_preemptions=res.num_preemptions,
+            batch_size=res.batch_size,
+            kv_transfer_params=kv_params,
+        )
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if engine.accepting:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "draining"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(
+            generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
+
+    return app

@@ -1,0 +1,110 @@
+"""The prefill instance over real HTTP, with the real tiny model executor."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from flowprefill.engine import PrefillEngine
+from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.models import build_named
+from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.server.errors import BodySizeLimit
+from flowprefill.server.prefill import create_app
+from tests.helpers import serve_in_thread
+
+
+@pytest.fixture(scope="module")
+def executor() -> Iterator[PreemptibleExecutor]:
+    model = build_named("tiny-llama", seed=0)
+    with PreemptibleExecutor(model, granularity="operator") as ex:
+        yield ex
+
+
+@pytest.fixture
+def server(executor: PreemptibleExecutor) -> Iterator[tuple[str, PrefillEngine]]:
+    engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
+    with serve_in_thread(BodySizeLimit(create_app(engine), 64 * 1024)) as url:
+        yield url, engine
+
+
+def body(rid: str, n: int = 16, budget_ms: float = 1000.0) -> dict:
+    return {
+        "request_id": rid,
+        "prompt_token_ids": [(7 * i) % 2000 for i in range(n)],
+        "ttft_budget_ms": budget_ms,
+        "slo_class": "chat",
+    }
+
+
+def test_prefill_answers_with_the_models_first_token(server, executor) -> None:
+    url, _ = server
+    r = httpx.post(f"{url}/v1/prefill", json=body("a", 40), timeout=30)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    alone = executor.prefill([body("x", 40)["prompt_token_ids"]])[0]
+    assert data["first_token_id"] == alone.first_token_id
+    assert data["num_prompt_tokens"] == 40 and data["met_slo"] is True
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/ready").status_code == 200
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="chat"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "needle"),
+    [
+        ("{not json", 400, "not valid JSON"),
+        (json.dumps({"request_id": "a", "ttft_budget_ms": 5}), 400, "prompt_token_ids"),
+        (json.dumps({**body("a"), "prompt_token_ids": []}), 400, "empty"),
+        (json.dumps({**body("a"), "ttft_budget_ms": 0}), 400, "ttft_budget_ms"),
+        (json.dumps(body("a", n=9000)), 400, "context"),
+        (json.dumps({**body("a"), "prompt_token_ids": [1, 99999]}), 400, "vocabulary"),
+        (json.dumps({**body("a"), "surprise": 1}), 400, "surprise"),
+        ("[" + "1," * 40000 + "1]", 413, "larger than"),
+    ],
+)
+def test_bad_requests_get_openai_style_4xx(server, payload, status, needle) -> None:
+    url, engine = server
+    r = httpx.post(
+        f"{url}/v1/prefill",
+        content=payload,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"]
+    assert err["type"] == "invalid_request_error"
+    # Nothing broke: the next good request is served.
+    assert httpx.post(f"{url}/v1/prefill", json=body("ok"), timeout=30).status_code == 200
+
+
+def test_client_disconnect_cancels_the_request(server) -> None:
+    url, engine = server
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body("gone", n=8000, budget_ms=60_000)).encode()
+    # Occupy the engine with a long, urgent request so "gone" waits in the queue.
+    with httpx.Client(timeout=60) as client:
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(
+            b"POST /v1/prefill HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        deadline = time.monotonic() + 10
+        while "gone" not in engine.scheduler.waiting and engine.scheduler.running is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        sock.close()
+        deadline = time.monotonic() + 20
+        while engine.scheduler.queue_depth > 0 or engine.pool.num_tasks > 0:
+            assert time.monotonic() < deadline, "cancelled request still held"
+            time.sleep(0.01)
+        metrics = client.get(f"{url}/metrics").text
+    assert 'outcome="cancelled"' in metrics
