@@ -87,6 +87,10 @@ class AttainmentTracker:
             samples = self._samples.get(namespace)
             return samples[-1][0] if samples else None
 
+    def sample_count(self, namespace: str) -> int:
+        with self._lock:
+            return len(self._samples.get(namespace, ()))
+
     def window(self, namespace: str) -> dict[str, Attainment]:
         """class -> attainment over the kept samples; empty until there are two."""
         with self._lock:
@@ -101,11 +105,8 @@ class AttainmentTracker:
             classes = {c for _, s in samples for c in s.get(pod, {})}
             for cls in classes:
                 for outcome in OUTCOMES:
-                    series = [
-                        s[pod][cls].get(outcome, 0.0)
-                        for _, s in samples
-                        if pod in s and cls in s[pod]
-                    ]
+                    # A class a pod had not served yet counts from zero.
+                    series = [s[pod].get(cls, {}).get(outcome, 0.0) for _, s in samples if pod in s]
                     if pod not in baseline_pods:
                         series = [0.0, *series]  # appeared in the window: started from zero
                     per_class = totals.setdefault(cls, {})

@@ -70,7 +70,7 @@ def test_prefill_answers_with_the_models_first_token(server, executor) -> None:
     ],
 )
 def test_bad_requests_get_openai_style_4xx(server, payload, status, needle) -> None:
-    url, engine = server
+    url, _ = server
     r = httpx.post(
         f"{url}/v1/prefill",
         content=payload,

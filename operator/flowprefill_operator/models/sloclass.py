@@ -134,6 +134,3 @@ class SLOClassStatus(CRModel):
     window_seconds: int | None = Field(
         default=None, description="Length of the window the attainment covers."
     )
-    last_scrape_time: str | None = Field(
-        default=None, description="When the gateways' metrics were last read (RFC 3339)."
-    )
