@@ -1,0 +1,422 @@
+"""kmock's KubernetesEmulator with the gaps that matter to an operator filled in.
+
+What kmock 0.8 lacks and this subclass adds (see ../shared/notes/kopf-kmock.md):
+uid / generation / resourceVersion / creationTimestamp on every object; no-op writes that
+change nothing (no new resourceVersion, no watch event); ``/status`` and ``/scale``
+subresources with their real semantics (the main endpoint ignores status; /scale reads and
+writes ``spec.replicas`` as an ``autoscaling/v1`` Scale); list resourceVersions and label
+selectors; watches that subscribe before listing and resume from ``?resourceVersion=``;
+finalizers and ``deletionTimestamp``. Not emulated: admission/validation, garbage
+collection, server-side apply, RBAC, controllers (Deployments never get pods).
+
+Runs in a background thread with its own event loop, so tests stay synchronous and talk
+to it over HTTP like to any API server (``EmulatorThread.kubeconfig``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import json
+import re
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import jsonpatch
+import kmock
+import yaml
+
+Key = tuple[Any, str | None, str]
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+_REQ = re.compile(
+    r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w.-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$"
+)
+
+
+def parse_selector(text: str) -> list[tuple[str, str, set[str]]]:
+    """Label selector -> [(key, op, values)]; ops: =, !=, in, notin, exists, !exists."""
+    reqs = []
+    for part in re.split(r",(?![^()]*\))", text or ""):
+        if not part.strip():
+            continue
+        m = _REQ.match(part)
+        if not m:
+            raise ValueError(f"bad label selector: {part!r}")
+        neg, key, eq, value, setop, values = m.groups()
+        if eq:
+            reqs.append((key, "!=" if eq == "!=" else "=", {value}))
+        elif setop:
+            reqs.append((key, setop, {v.strip() for v in values.split(",") if v.strip()}))
+        else:
+            reqs.append((key, "!exists" if neg else "exists", set()))
+    return reqs
+
+
+def selector_matches(reqs: list[tuple[str, str, set[str]]], labels: dict[str, str]) -> bool:
+    for key, op, values in reqs:
+        present, value = key in labels, labels.get(key)
+        ok = {
+            "=": present and value in values,
+            "!=": value not in values,
+            "in": present and value in values,
+            "notin": value not in values,
+            "exists": present,
+            "!exists": not present,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+class ClusterEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
+    """See the module docstring."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._rv = itertools.count(1)
+        self._events: list[tuple[int, Any, dict[str, Any]]] = []
+        self._changed = asyncio.Condition()
+        self.fail_next: list[int] = []  # HTTP statuses to answer the next writes with
+
+    # ---- registration -----------------------------------------------------------------
+
+    def register_crd(self, crd: dict[str, Any]) -> None:
+        spec = crd["spec"]
+        for version in spec["versions"]:
+            self.resources[f"{spec['group']}/{version['name']}/{spec['names']['plural']}"] = (
+                kmock.ResourceInfo(
+                    kind=spec["names"]["kind"],
+                    singular=spec["names"]["singular"],
+                    namespaced=spec["scope"] == "Namespaced",
+                    shortnames=set(spec["names"].get("shortNames", [])),
+                    verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+                    subresources=set(version.get("subresources", {})),
+                )
+            )
+
+    def _subresources(self, resource: Any) -> set[str]:
+        try:
+            return set(self.resources[resource].subresources)
+        except KeyError:
+            return set()
+
+    # ---- request dispatch -------------------------------------------------------------
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        action = request.action
+        if request.resource is None or request.resource.plural is None:
+            return await super()._handle(request)
+        try:
+            if action == kmock.action.WATCH:
+                return await self._watch(request)
+            if action == kmock.action.LIST:
+                return await self._list(request)
+            if action == kmock.action.FETCH:
+                return aiohttp.web.json_response(await self._fetch(request))
+            if action in (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE):
+                if self.fail_next:
+                    status = self.fail_next.pop(0)
+                    raise kmock.KubernetesError(status=status, reason="Injected", message="test")
+                async with self._lock:
+                    result = await self._write(request)
+                return aiohttp.web.json_response(result)
+        except kmock.KubernetesError as e:
+            return await self._render_error(e)
+        return await super()._handle(request)
+
+    def _key(self, request: kmock.Request, name: str | None = None) -> Key:
+        return (request.resource, request.namespace, name or request.name)
+
+    def _get(self, key: Key) -> dict[str, Any] | None:
+        try:
+            obj = self._objects[key]
+        except KeyError:
+            return None
+        return None if obj.deleted else copy.deepcopy(obj.raw)
+
+    async def _fetch(self, request: kmock.Request) -> dict[str, Any]:
+        obj = self._get(self._key(request))
+        if obj is None:
+            raise kmock.KubernetesObjectNotFoundError()
+        if request.subresource == "scale":
+            return self._scale(obj)
+        return obj
+
+    @staticmethod
+    def _scale(obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {
+                k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta
+            },
+            "spec": {"replicas": obj.get("spec", {}).get("replicas", 0)},
+            "status": {
+                "replicas": obj.get("status", {}).get("replicas", 0),
+                "selector": obj.get("status", {}).get("selector", ""),
+            },
+        }
+
+    def _matching(self, request: kmock.Request) -> list[dict[str, Any]]:
+        reqs = parse_selector(request.params.get("labelSelector", ""))
+        out = []
+        for (resource, namespace, _name), obj in list(self._objects.items()):
+            if resource != request.resource or obj.deleted:
+                continue
+            if request.namespace is not None and namespace != request.namespace:
+                continue
+            raw = copy.deepcopy(obj.raw)
+            if selector_matches(reqs, raw.get("metadata", {}).get("labels") or {}):
+                out.append(raw)
+        return out
+
+    async def _list(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        async with self._lock:
+            items = self._matching(request)
+            rv = str(self._current_rv())
+        return aiohttp.web.json_response(
+            {
+                "kind": "List",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": rv},
+                "items": items,
+            }
+        )
+
+    def _current_rv(self) -> int:
+        return self._events[-1][0] if self._events else 0
+
+    async def _watch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        raw_request = request._raw_request
+        response = aiohttp.web.StreamResponse()
+        response.content_type = "application/json"
+        await response.prepare(raw_request)
+        reqs = parse_selector(request.params.get("labelSelector", ""))
+        since = request.params.get("resourceVersion", "")
+        timeout = float(request.params.get("timeoutSeconds", "0") or 0) or None
+
+        def wanted(event: dict[str, Any]) -> bool:
+            meta = event["object"].get("metadata", {})
+            if request.namespace is not None and meta.get("namespace") != request.namespace:
+                return False
+            if request.name is not None and meta.get("name") != request.name:
+                return False
+            return selector_matches(reqs, meta.get("labels") or {})
+
+        async with self._lock:  # writes hold this lock: nothing slips between list and log
+            position = len(self._events)
+            if since and since != "0":
+                first = [
+                    e for rv, res, e in self._events if rv > int(since) and res == request.resource
+                ]
+            else:
+                first = [{"type": "ADDED", "object": o} for o in self._matching(request)]
+        try:
+            async with asyncio.timeout(timeout):
+                for event in first:
+                    if wanted(event):
+                        await response.write(json.dumps(event).encode() + b"\n")
+                while True:
+                    seen = position
+                    async with self._changed:
+                        await self._changed.wait_for(lambda seen=seen: len(self._events) > seen)
+                        batch = self._events[position:]
+                        position = len(self._events)
+                    for _rv, res, event in batch:
+                        if res == request.resource and wanted(event):
+                            await response.write(json.dumps(event).encode() + b"\n")
+        except (TimeoutError, ConnectionResetError, asyncio.CancelledError):
+            pass
+        return response
+
+    # ---- writes -----------------------------------------------------------------------
+
+    async def _emit(self, resource: Any, type_: str, obj: dict[str, Any]) -> None:
+        rv = int(obj["metadata"]["resourceVersion"])
+        self._events.append((rv, resource, {"type": type_, "object": copy.deepcopy(obj)}))
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _write(self, request: kmock.Request) -> dict[str, Any]:
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if request.action == kmock.action.CREATE:
+            body = copy.deepcopy(request.data)
+            meta = body.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            namespace = request.namespace or meta.get("namespace")
+            key = self._key(
+                kmock.Request(resource=request.resource, namespace=namespace), meta["name"]
+            )
+            if self._get(key) is not None:
+                raise kmock.KubernetesError(
+                    status=409, reason="AlreadyExists", message=meta["name"]
+                )
+            if namespace:
+                meta["namespace"] = namespace
+            meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=now,
+                        resourceVersion=str(next(self._rv)))  # fmt: skip
+            if key in self._objects:
+                self._objects[key].create(body)
+            else:
+                self._objects[key] = body
+            await self._emit(request.resource, "ADDED", body)
+            return body
+
+        key = self._key(request)
+        before = self._get(key)
+        if before is None:
+            raise kmock.KubernetesObjectNotFoundError()
+
+        if request.action == kmock.action.DELETE:
+            if before["metadata"].get("finalizers"):
+                if before["metadata"].get("deletionTimestamp"):
+                    return before
+                after = copy.deepcopy(before)
+                after["metadata"]["deletionTimestamp"] = now
+                return await self._store(request.resource, key, before, after)
+            self._objects[key].delete()
+            before["metadata"]["resourceVersion"] = str(next(self._rv))
+            await self._emit(request.resource, "DELETED", before)
+            return before
+
+        patch = request.data
+        sub = request.subresource
+        if sub == "scale":
+            replicas = (patch or {}).get("spec", {}).get("replicas")
+            after = merge_patch(before, {"spec": {"replicas": replicas}})
+        else:
+            try:
+                patched = (
+                    jsonpatch.apply_patch(before, patch) if isinstance(patch, list)
+                    else merge_patch(before, patch)
+                )  # fmt: skip
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
+                # As the API server: a failed "test" (stale resourceVersion) is a 422.
+                raise kmock.KubernetesError(status=422, reason="Invalid", message=str(e)) from e
+            if sub == "status":
+                after = {**before, "status": patched.get("status")}
+                if after["status"] is None:
+                    del after["status"]
+            else:
+                after = patched
+                if "status" in self._subresources(request.resource):
+                    after.pop("status", None)  # the main endpoint ignores status
+                    if "status" in before:
+                        after["status"] = before["status"]
+        stored = await self._store(request.resource, key, before, after)
+        return self._scale(stored) if sub == "scale" else stored
+
+    async def _store(
+        self, resource: Any, key: Key, before: dict[str, Any], after: dict[str, Any]
+    ) -> dict[str, Any]:
+        meta, old = after.setdefault("metadata", {}), before["metadata"]
+        for field in (
+            "uid",
+            "creationTimestamp",
+            "name",
+            "namespace",
+            "generation",
+            "resourceVersion",
+        ):
+            if field in old:
+                meta[field] = old[field]
+        if old.get("deletionTimestamp"):
+            meta["deletionTimestamp"] = old["deletionTimestamp"]
+        if after == before:
+            return before  # no-op: no new resourceVersion, no event (as the API server)
+        spec_of = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
+        if spec_of(after) != spec_of(before):
+            meta["generation"] = int(old.get("generation", 1)) + 1
+        meta["resourceVersion"] = str(next(self._rv))
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            self._objects[key].delete()
+            await self._emit(resource, "DELETED", after)
+            return after
+        self._objects[key].patch(None)  # new history entry, then replace its content
+        version = self._objects[key].last
+        version.clear()
+        version.update(after)
+        await self._emit(resource, "MODIFIED", after)
+        return after
+
+
+class EmulatorThread:
+    """Runs a ClusterEmulator + kmock.Server in a thread; ``url`` once started."""
+
+    def __init__(self, crd_paths: list[Path]) -> None:
+        self.crds = [yaml.safe_load(p.read_text()) for p in crd_paths]
+        self.emulator: ClusterEmulator | None = None
+        self.url = ""
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="kmock", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # surfaced by start()
+            self._error = e
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        emulator = ClusterEmulator()
+        emulator.resources.load_bundled()
+        for crd in self.crds:
+            emulator.register_crd(crd)
+        async with emulator, kmock.Server(emulator) as server:
+            self.emulator = emulator
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def start(self) -> EmulatorThread:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error or not self.url:
+            raise RuntimeError(f"emulator did not start: {self._error!r}")
+        return self
+
+    def stop(self) -> None:
+        if self._loop and self._stop:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def fail_next_writes(self, *statuses: int) -> None:
+        assert self.emulator is not None
+        self.emulator.fail_next.extend(statuses)
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "kmock", "user": {}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+            "current-context": "kmock",
+        }))  # fmt: skip
+        return path
