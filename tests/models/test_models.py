@@ -1,0 +1,122 @@
+"""Tiny model builders, the locally trained tokenizer, and standard-format save/load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from flowprefill.errors import UnknownNameError
+from flowprefill.models import (
+    CHAT_TEMPLATE,
+    FAMILIES,
+    build_config,
+    build_model,
+    load_model,
+    model_names,
+    named_model_dir,
+    parse_name,
+    save_model_dir,
+    train_tokenizer,
+)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_seed_same_weights_different_seed_different(family: str) -> None:
+    a, b, c = (build_model(family, seed=s) for s in (7, 7, 8))
+    for (name, pa), pb, pc in zip(
+        a.named_parameters(), b.parameters(), c.parameters(), strict=True
+    ):
+        assert torch.equal(pa, pb), name
+    assert not all(
+        torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters(), strict=True)
+    )
+    assert a.dtype == torch.float32
+    assert not a.training
+
+
+def test_building_does_not_disturb_the_callers_rng() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_model("llama", seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_sizes() -> None:
+    demo = build_config("llama", "demo")
+    assert (demo.hidden_size, demo.num_hidden_layers, demo.num_attention_heads) == (512, 6, 8)
+    assert (demo.num_key_value_heads, demo.vocab_size) == (2, 32000)
+    moe = build_config("qwen3-moe", "tiny")
+    assert moe.model_type == "qwen3_moe" and moe.num_experts == 8
+    assert build_config("qwen2", "tiny", num_hidden_layers=3).num_hidden_layers == 3
+
+
+def test_names() -> None:
+    assert {"tiny-llama", "tiny-qwen2", "tiny-qwen3-moe", "demo-llama"} <= set(model_names())
+    assert parse_name("tiny-qwen3-moe") == ("tiny", "qwen3-moe")
+    with pytest.raises(UnknownNameError, match="unknown model 'huge-llama'"):
+        parse_name("huge-llama")
+    with pytest.raises(UnknownNameError, match="model family"):
+        build_config("gpt2")
+
+
+def test_tokenizer_vocab_is_exact_and_round_trips() -> None:
+    tokenizer = train_tokenizer(32000)
+    assert len(tokenizer) == 32000
+    text = "Hello world! The prefill of 4096 tokens took 0.7 s."
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert max(ids) < 32000
+    # Every id decodes to something (the decode-only filler too), so text is never empty.
+    assert tokenizer.decode([31999]) != ""
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2]) == [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+    ]
+    with pytest.raises(ValueError):
+        train_tokenizer(100)
+
+
+def test_saved_directory_loads_offline_with_auto_classes(tmp_path: Path) -> None:
+    model = build_model("qwen2", seed=4)
+    path = save_model_dir(model, tmp_path / "m")
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # temp dir renamed
+    loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    assert len(tokenizer) == loaded.config.vocab_size == model.config.vocab_size
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.eos_token_id == loaded.config.eos_token_id
+    assert (
+        json.loads((path / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
+    )
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = torch.tensor([tokenizer("a short prompt")["input_ids"]])
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_load_model_by_name_builds_once_and_caches(tmp_path: Path) -> None:
+    path = named_model_dir("tiny-llama", cache_dir=tmp_path)
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    model = load_model("tiny-llama", cache_dir=tmp_path)
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert model.config._attn_implementation == "sdpa"
+    assert not model.training
+    reference = build_model("llama", seed=0)
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    by_path = load_model(path, dtype=torch.bfloat16)
+    assert by_path.dtype == torch.bfloat16
+    with pytest.raises(UnknownNameError, match="model \\(name or local directory\\)"):
+        load_model(tmp_path / "missing")
