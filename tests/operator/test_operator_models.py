@@ -1,0 +1,193 @@
+"""CRDs: generated from the models, structural, documented, and enforcing their rules."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from flowprefill_operator.crd import KINDS, build_crd, stale_files
+from flowprefill_operator.models import ServingPoolSpec, SLOClassSpec
+from pydantic import ValidationError
+
+from tests.operator.conftest import load_docs
+from tests.operator.crdcheck import validate_cr
+
+K8S_VERSION = "1.33"
+
+
+def test_crd_files_are_generated_from_the_models(repo_root: Path) -> None:
+    stale = stale_files(repo_root)
+    assert not stale, (
+        f"stale CRDs {stale}: run `python -m flowprefill_operator crdgen` from the repo root"
+    )
+
+
+def test_staleness_check_notices_an_edit(tmp_path: Path, repo_root: Path) -> None:
+    from flowprefill_operator.crd import write_crds
+
+    write_crds(tmp_path)
+    assert stale_files(tmp_path) == []
+    victim = tmp_path / "crds" / f"{KINDS[0].crd_name}.yaml"
+    victim.write_text(victim.read_text().replace("ttftSloMs", "ttftSlo"))
+    assert stale_files(tmp_path) == [victim]
+
+
+def _walk(schema: dict[str, Any], path: str = ""):  # type: ignore[no-untyped-def]
+    yield path, schema
+    for name, sub in schema.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{name}")
+    if isinstance(schema.get("items"), dict):
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.kind)
+def test_crd_schema_is_structural_and_documented(kind: Any) -> None:
+    crd = build_crd(kind)
+    kubernetes_validate.validate(crd, K8S_VERSION, strict=True)  # raises when invalid
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for path, node in _walk(root):
+        assert "type" in node, f"{path} has no type (not structural)"
+        for banned in ("$ref", "anyOf", "allOf", "oneOf", "title", "nullable"):
+            assert banned not in node, f"{path} uses {banned}"
+        if path.startswith((".spec", ".status")) and not path.endswith(("[]", "{}")):
+            assert node.get("description"), f"{path} has no description (kubectl explain)"
+
+
+def test_servingpool_scale_and_printer_columns() -> None:
+    crd = build_crd(next(k for k in KINDS if k.kind == "ServingPool"))
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    names = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert names == ["Service", "Role", "Desired", "Ready", "Phase", "Age"]
+
+
+@pytest.mark.parametrize("name", ["slo-classes.yaml", "llama3-8b.yaml", "llama3-8b-hpa.yaml"])
+def test_examples_validate(name: str, repo_root: Path, crd_schemas: Any) -> None:
+    for doc in load_docs(repo_root / "examples" / name):
+        if doc["apiVersion"].startswith("flowprefill.io/"):
+            assert validate_cr(doc, crd_schemas) == [], doc["metadata"]["name"]
+            model = SLOClassSpec if doc["kind"] == "SLOClass" else ServingPoolSpec
+            model.model_validate(doc["spec"])
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_examples_cover_the_papers_four_task_types(repo_root: Path) -> None:
+    docs = load_docs(repo_root / "examples" / "slo-classes.yaml")
+    targets = {d["spec"]["taskType"]: d["spec"]["ttftSloMs"] for d in docs}
+    assert targets == {"text": 250, "image": 500, "search": 4000, "file": 6000}
+    assert [d["metadata"]["name"] for d in docs if d["spec"].get("default")] == ["chat"]
+    pools = [d for d in load_docs(repo_root / "examples" / "llama3-8b.yaml")
+             if d["kind"] == "ServingPool"]  # fmt: skip
+    assert {(p["spec"]["service"], p["spec"]["role"]) for p in pools} == {
+        ("llama3-8b", "prefill"),
+        ("llama3-8b", "decode"),
+    }
+
+
+def _pool(**spec: Any) -> dict[str, Any]:
+    base = {"service": "m", "role": "prefill", "model": {"path": "/models/m"}}
+    return {
+        "apiVersion": "flowprefill.io/v1alpha1",
+        "kind": "ServingPool",
+        "metadata": {"name": "m-prefill", "namespace": "ns"},
+        "spec": {**base, **spec},
+    }
+
+
+# (spec overrides, the message the API server would answer with)
+BAD_POOLS = [
+    ({"role": "router"}, "role"),
+    ({"replicas": -1}, "replicas"),
+    ({"replicas": "two"}, "replicas"),
+    ({"service": "Bad_Name"}, "service"),
+    ({"engine": {"granularity": "token"}}, "granularity"),
+    ({"engine": {"batchTokenBudget": 0}}, "batchTokenBudget"),
+    ({"engine": {"chunkSize": 8192, "batchTokenBudget": 4096}}, "chunkSize must not exceed"),
+    ({"engine": {"tpSize": 4}, "resources": {"gpusPerPod": 2}}, "engine.tpSize needs"),
+    ({"role": "decode", "engine": {}}, "engine applies to role=prefill"),
+    ({"vllmArgs": ["--foo"]}, "vllmArgs applies to role=decode"),
+    ({"model": {"path": "/data/m", "pvc": {"claimName": "w"}}}, "path must lie under pvc"),
+    (
+        {"model": {"path": "/models/m", "pvc": {"claimName": "w"}, "image": {"reference": "x"}}},
+        "at most one of pvc and image",
+    ),
+    ({"unknownField": 1}, "unknownField"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_POOLS, ids=[m for _, m in BAD_POOLS])
+def test_bad_pools_are_refused_by_schema_cel_and_model(
+    override: dict[str, Any], message: str, crd_schemas: Any
+) -> None:
+    obj = _pool(**override)
+    errors = validate_cr(obj, crd_schemas)
+    if message != "unknownField":  # the API server prunes unknown fields instead
+        assert any(message in e for e in errors), errors
+    # The operator's parser refuses the same objects (for servers that admitted them).
+    with pytest.raises(ValidationError):
+        ServingPoolSpec.model_validate(obj["spec"])
+
+
+def test_good_pool_passes_both(crd_schemas: Any) -> None:
+    obj = _pool(engine={"chunkSize": 2048}, resources={"gpusPerPod": 1})
+    assert validate_cr(obj, crd_schemas) == []
+    ServingPoolSpec.model_validate(obj["spec"])
+
+
+def test_role_and_service_are_immutable(crd_schemas: Any) -> None:
+    old = _pool()
+    new = copy.deepcopy(old)
+    new["spec"]["role"] = "decode"
+    assert any("role is immutable" in e for e in validate_cr(new, crd_schemas, old=old))
+    scaled = copy.deepcopy(old)
+    scaled["spec"]["replicas"] = 5
+    assert validate_cr(scaled, crd_schemas, old=old) == []
+
+
+def test_pool_name_rules(crd_schemas: Any) -> None:
+    obj = _pool()
+    obj["metadata"]["name"] = "m-gateway"
+    assert any("reserved" in e for e in validate_cr(obj, crd_schemas))
+
+
+def _slo(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "flowprefill.io/v1alpha1",
+        "kind": "SLOClass",
+        "metadata": {"name": "chat", "namespace": "ns"},
+        "spec": {"taskType": "text", "ttftSloMs": 250, **spec},
+    }
+
+
+BAD_CLASSES = [
+    ({"ttftSloMs": 0}, "ttftSloMs"),
+    ({"taskType": "video"}, "taskType"),
+    ({"attainmentTarget": 0}, "attainmentTarget"),
+    ({"attainmentTarget": 1.5}, "attainmentTarget"),
+    ({"priority": 5000}, "priority"),
+    ({"match": {"apiKeyHashes": ["plaintext-key"]}}, "apiKeyHashes"),
+    ({"match": {"headers": [{"name": "X-Upper", "value": "v"}]}}, "headers"),
+    (
+        {"match": {"apiKeyHashes": ["a" * 64], "apiKeySecretRef": {"name": "s"}}},
+        "either apiKeyHashes or apiKeySecretRef",
+    ),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_CLASSES, ids=[m for _, m in BAD_CLASSES])
+def test_bad_classes_are_refused(override: dict[str, Any], message: str, crd_schemas: Any) -> None:
+    obj = _slo(**override)
+    errors = validate_cr(obj, crd_schemas)
+    assert any(message in e for e in errors), errors
+    with pytest.raises(ValidationError):
+        SLOClassSpec.model_validate(obj["spec"])
