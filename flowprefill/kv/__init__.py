@@ -1,0 +1,75 @@
+"""KV hand-off from FlowPrefill's prefill engine into vLLM decode.
+
+- :mod:`~flowprefill.kv.format`: the versioned on-disk layout, writer, lazy reader.
+- :mod:`~flowprefill.kv.transport`: where hand-offs live (shared directory today).
+- :mod:`~flowprefill.kv.params`: the ``kv_transfer_params`` a decode request carries.
+- :mod:`~flowprefill.kv.capture`: producer helpers (HF cache → hand-off).
+- :mod:`~flowprefill.kv.paged`: layout arithmetic for the paged cache.
+- ``flowprefill.kv.connector``: the vLLM connector class (imports vLLM; not re-exported
+  here so this package stays importable without vLLM). See docs/kv.md.
+"""
+
+from flowprefill.kv.capture import PrefillResult, layers_from_cache, reference_prefill
+from flowprefill.kv.errors import KVFormatError, KVHandoffError, KVMismatchError, KVNotFoundError
+from flowprefill.kv.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    KVHandoff,
+    KVHeader,
+    KVReader,
+    ModelFingerprint,
+    build_handoff,
+    check_prompt,
+    read_handoff,
+    read_header,
+    token_ids_digest,
+    write_handoff,
+)
+from flowprefill.kv.params import HandoffRef, load_end, num_tokens_to_load, result_params
+from flowprefill.kv.transport import KVTransport, SharedDirTransport, make_transport
+
+CONNECTOR_MODULE = "flowprefill.kv.connector"
+CONNECTOR_CLASS = "FlowPrefillConnector"
+
+
+def kv_transfer_config(storage_path: str, **extra: object) -> dict[str, object]:
+    """The ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)`` value for decode."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"shared_storage_path": storage_path, **extra},
+    }
+
+
+__all__ = [
+    "CONNECTOR_CLASS",
+    "CONNECTOR_MODULE",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "HandoffRef",
+    "KVFormatError",
+    "KVHandoff",
+    "KVHandoffError",
+    "KVHeader",
+    "KVMismatchError",
+    "KVNotFoundError",
+    "KVReader",
+    "KVTransport",
+    "ModelFingerprint",
+    "PrefillResult",
+    "SharedDirTransport",
+    "build_handoff",
+    "check_prompt",
+    "kv_transfer_config",
+    "layers_from_cache",
+    "load_end",
+    "make_transport",
+    "num_tokens_to_load",
+    "read_handoff",
+    "read_header",
+    "reference_prefill",
+    "result_params",
+    "token_ids_digest",
+    "write_handoff",
+]

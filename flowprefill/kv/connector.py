@@ -1,0 +1,310 @@
+"""vLLM v1 KV connector that feeds FlowPrefill's prompt KV into vLLM decode.
+
+Load it in a decode instance with::
+
+    --kv-transfer-config '{"kv_connector": "FlowPrefillConnector",
+        "kv_connector_module_path": "flowprefill.kv.connector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"shared_storage_path": "/path/to/handoffs"}}'
+
+Contract (vLLM 0.32 ``KVConnectorBase_V1``; one instance runs in the scheduler process,
+one in each worker):
+
+* **Which requests.** Only requests whose ``kv_transfer_params`` carry a FlowPrefill
+  :class:`~flowprefill.kv.params.HandoffRef`; every other request is untouched (0 tokens).
+* **How many tokens** (``get_num_new_matched_tokens``, scheduler). The hand-off header is
+  read (no tensor data) and checked: same model architecture, and its token ids are a
+  prefix of the request's prompt. The answer is ``min(kv_tokens, request_tokens - 1)``
+  minus what vLLM's own prefix cache already holds. ``- 1`` because vLLM must compute at
+  least one token of a new request to sample from; send ``prompt + [first_token]`` and that
+  token is the one our prefill sampled, so no prompt token is recomputed. Loads are
+  synchronous (``False``): the copy is a memcpy-speed local read, cheaper than the async
+  state machine's extra scheduler round trip.
+* **Unusable KV never fails a request.** A missing, corrupted or mismatching hand-off is
+  logged, reported in the response's ``kv_transfer_params`` (``status: "recomputed"``) and
+  the prompt is recomputed. A failure *during* the worker copy (after the scheduler counted
+  the tokens) is reported through ``get_block_ids_with_load_errors``; vLLM then fails the
+  request or recomputes the blocks per ``kv_load_failure_policy`` (set ``"recompute"``).
+* **Copy** (``start_load_kv``, worker, before the forward pass). For each attention layer:
+  read the token range, keep this tensor-parallel rank's KV heads, go [H,T,D] → [T,H,D] in
+  the model dtype, and write it with the attention backend's own ``do_kv_cache_update`` —
+  the routine vLLM stores computed KV with — so the paged layout (CPU's packed blocks,
+  CUDA's NHD/HND, fp8 scaling) is the backend's concern, not ours. ``wait_for_layer_load``
+  has nothing to wait for. Verified on CPU; on GPU the same path runs with a host→device
+  copy but has not been executed (no GPU here).
+* **Clean-up** (``request_finished``). Reports ``loaded_tokens``; deletes the hand-off when
+  ``delete_after_load`` is set in the extra config (default false: the prefill side owns
+  the files and sweeps them, see ``SharedDirTransport.sweep``).
+
+This connector never produces KV (``save_kv_layer`` is a no-op): the producer is
+FlowPrefill's own prefill engine, not a vLLM instance.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from flowprefill.kv.errors import KVHandoffError, KVMismatchError
+from flowprefill.kv.format import KVHeader, ModelFingerprint, check_prompt
+from flowprefill.kv.paged import head_range, slot_mapping, to_token_major
+from flowprefill.kv.params import HandoffRef, num_tokens_to_load, result_params
+from flowprefill.kv.transport import make_transport
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# vLLM's logger prefix ("vllm.") would route through its handler; ours goes to the root.
+logger = logging.getLogger("flowprefill.kv.connector")
+
+
+@dataclass
+class LoadSpec:
+    """Copy hand-off tokens [start, end) into the request's blocks (worker side)."""
+
+    req_id: str
+    handoff_id: str
+    start: int
+    end: int
+    block_ids: list[int]
+
+
+@dataclass
+class FlowPrefillConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → worker, once per step: the loads to do before this step's forward."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one request that carries a hand-off reference."""
+
+    ref: HandoffRef
+    header: KVHeader | None = None
+    reason: str | None = None  # why the KV is unusable; None while usable
+    start: int = 0
+    end: int = 0
+    loaded: int = 0
+
+
+class FlowPrefillConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Consumer-only connector; see the module docstring for the full contract."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        path = extra.get("shared_storage_path") or extra.get("path")
+        self._transport = make_transport(str(extra.get("transport", "shared_dir")), path=path)
+        self._delete_after_load = bool(extra.get("delete_after_load", False))
+        self._block_size = int(vllm_config.cache_config.block_size)
+        model_config = vllm_config.model_config
+        if getattr(model_config, "use_mla", False):
+            raise KVHandoffError("FlowPrefillConnector does not support MLA models")
+        self._expected = ModelFingerprint.from_config(model_config.hf_text_config)
+        self._model_dtype: torch.dtype = model_config.dtype
+        self._tracked: dict[str, _Tracked] = {}  # scheduler side
+        self._to_load: dict[str, _Tracked] = {}  # scheduler side, allocated, not yet sent
+        self._failed_blocks: set[int] = set()  # worker side
+        logger.info(
+            "FlowPrefillConnector role=%s storage=%s block_size=%d model=%s",
+            role.name, path, self._block_size, self._expected,
+        )
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tracked = self._track(request)
+        if tracked is None or tracked.header is None:
+            return 0, False
+        n = num_tokens_to_load(tracked.header.num_tokens, request.num_tokens, num_computed_tokens)
+        # The scheduler calls this then update_state_after_alloc in the same pass; the
+        # range is remembered here because the latter is not told where the load starts.
+        tracked.start, tracked.end = num_computed_tokens, num_computed_tokens + n
+        return n, False
+
+    def _track(self, request: Request) -> _Tracked | None:
+        """Validate the request's hand-off once (header only) and cache the verdict."""
+        req_id = request.request_id
+        if req_id in self._tracked:
+            return self._tracked[req_id]
+        try:
+            ref = HandoffRef.from_params(request.kv_transfer_params)
+        except KVHandoffError as exc:
+            logger.warning("request %s: bad kv_transfer_params: %s", req_id, exc)
+            return None
+        if ref is None:
+            return None
+        tracked = _Tracked(ref=ref)
+        self._tracked[req_id] = tracked
+        try:
+            header = self._transport.header(ref.handoff_id)
+            header.fingerprint.check_matches(self._expected)
+            if ref.num_tokens is not None and ref.num_tokens != header.num_tokens:
+                raise KVMismatchError("num_tokens", ref.num_tokens, header.num_tokens)
+            check_prompt(header, list(request.prompt_token_ids or []))
+            tracked.header = header
+        except KVHandoffError as exc:
+            tracked.reason = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "request %s: hand-off %s unusable, recomputing the prompt: %s",
+                req_id, ref.handoff_id, exc,
+            )
+        return tracked
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or num_external_tokens == 0:
+            return
+        if tracked.end - tracked.start != num_external_tokens:
+            logger.warning(
+                "request %s: scheduler accepted %d external tokens, connector offered %d",
+                request.request_id, num_external_tokens, tracked.end - tracked.start,
+            )
+            tracked.end = tracked.start + num_external_tokens
+        self._to_load[request.request_id] = tracked
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = FlowPrefillConnectorMetadata()
+        for new_req in scheduler_output.scheduled_new_reqs:
+            tracked = self._to_load.pop(new_req.req_id, None)
+            if tracked is not None:
+                meta.loads.append(self._spec(new_req.req_id, tracked, new_req.block_ids[0]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            # A request resumed after preemption lists all its blocks in new_block_ids.
+            tracked = self._to_load.get(req_id)
+            block_ids = cached.new_block_ids[i]
+            if tracked is not None and req_id in cached.resumed_req_ids and block_ids:
+                del self._to_load[req_id]
+                meta.loads.append(self._spec(req_id, tracked, block_ids[0]))
+        if self._to_load:  # allocated but not scheduled: load when it is
+            logger.debug("hand-offs waiting for scheduling: %s", sorted(self._to_load))
+        return meta
+
+    @staticmethod
+    def _spec(req_id: str, tracked: _Tracked, block_ids: list[int]) -> LoadSpec:
+        tracked.loaded = tracked.end - tracked.start
+        return LoadSpec(req_id, tracked.ref.handoff_id, tracked.start, tracked.end, list(block_ids))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._to_load.pop(request.request_id, None)
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        if self._delete_after_load:
+            self._transport.delete(tracked.ref.handoff_id)
+        return False, result_params(tracked.ref, tracked.loaded, tracked.reason)
+
+    # ------------------------------------------------------------------- worker side
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, FlowPrefillConnectorMetadata)
+        if not meta.loads:
+            return
+        layers = _attention_layers(forward_context)
+        for spec in meta.loads:
+            try:
+                self._load_one(spec, layers)
+            except Exception:  # report, never crash the engine: vLLM applies its policy
+                logger.exception("request %s: KV load from %s failed", spec.req_id, spec.handoff_id)
+                first, last = spec.start // self._block_size, -(-spec.end // self._block_size)
+                self._failed_blocks.update(spec.block_ids[first:last])
+
+    def _load_one(self, spec: LoadSpec, layers: dict[int, Any]) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        slots: torch.Tensor | None = None
+        with self._transport.open(spec.handoff_id) as reader:
+            header = reader.header
+            if max(layers, default=-1) >= header.num_layers:
+                raise KVMismatchError("num_layers", max(layers) + 1, header.num_layers)
+            heads = head_range(
+                header.fingerprint.num_kv_heads,
+                get_tensor_model_parallel_world_size(),
+                get_tensor_model_parallel_rank(),
+            )
+            for index, layer in sorted(layers.items()):
+                cache = layer.kv_cache
+                if heads[1] - heads[0] != layer.num_kv_heads:
+                    raise KVMismatchError("KV heads on this rank", layer.num_kv_heads, heads)
+                if slots is None:
+                    slots = slot_mapping(spec.block_ids, self._block_size, spec.start, spec.end)
+                    slots = slots.to(cache.device)
+                key, value = reader.layer(index, spec.start, spec.end)
+                key = to_token_major(key, heads, self._model_dtype, cache.device)
+                value = to_token_major(value, heads, self._model_dtype, cache.device)
+                layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+        logger.info(
+            "request %s: loaded %d prompt tokens [%d, %d) of hand-off %s into %d layers",
+            spec.req_id, spec.end - spec.start, spec.start, spec.end, spec.handoff_id, len(layers),
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv copies synchronously
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # consumer only
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+
+def _attention_layers(forward_context: ForwardContext) -> dict[int, Any]:
+    """Decoder attention layers that own a KV cache, by model layer index."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    out: dict[int, Any] = {}
+    for name, layer in forward_context.no_compile_layers.items():
+        cache = getattr(layer, "kv_cache", None)
+        impl = getattr(layer, "impl", None)
+        if not isinstance(cache, torch.Tensor) or cache.numel() == 0:
+            continue
+        if not hasattr(impl, "do_kv_cache_update"):
+            raise KVHandoffError(
+                f"attention backend of {name} ({type(impl).__name__}) writes KV inside its "
+                "forward (no do_kv_cache_update); FlowPrefillConnector cannot load into it"
+            )
+        out[extract_layer_index(name)] = layer
+    return out
