@@ -274,8 +274,12 @@ class ClusterEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 )
             if namespace:
                 meta["namespace"] = namespace
-            meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=now,
-                        resourceVersion=str(next(self._rv)))  # fmt: skip
+            meta.update(
+                uid=str(uuid.uuid4()),
+                generation=1,
+                creationTimestamp=now,
+                resourceVersion=str(next(self._rv)),
+            )
             if key in self._objects:
                 self._objects[key].create(body)
             else:
@@ -308,9 +312,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         else:
             try:
                 patched = (
-                    jsonpatch.apply_patch(before, patch) if isinstance(patch, list)
+                    jsonpatch.apply_patch(before, patch)
+                    if isinstance(patch, list)
                     else merge_patch(before, patch)
-                )  # fmt: skip
+                )
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
                 # As the API server: a failed "test" (stale resourceVersion) is a 422.
                 raise kmock.KubernetesError(status=422, reason="Invalid", message=str(e)) from e
@@ -411,12 +416,18 @@ class EmulatorThread:
         self.emulator.fail_next.extend(statuses)
 
     def write_kubeconfig(self, path: Path) -> Path:
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-            "users": [{"name": "kmock", "user": {}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
-            "current-context": "kmock",
-        }))  # fmt: skip
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+                    "users": [{"name": "kmock", "user": {}}],
+                    "contexts": [
+                        {"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}
+                    ],
+                    "current-context": "kmock",
+                }
+            )
+        )
         return path

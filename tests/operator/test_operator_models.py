@@ -86,8 +86,11 @@ def test_examples_cover_the_papers_four_task_types(repo_root: Path) -> None:
     targets = {d["spec"]["taskType"]: d["spec"]["ttftSloMs"] for d in docs}
     assert targets == {"text": 250, "image": 500, "search": 4000, "file": 6000}
     assert [d["metadata"]["name"] for d in docs if d["spec"].get("default")] == ["chat"]
-    pools = [d for d in load_docs(repo_root / "examples" / "llama3-8b.yaml")
-             if d["kind"] == "ServingPool"]  # fmt: skip
+    pools = [
+        d
+        for d in load_docs(repo_root / "examples" / "llama3-8b.yaml")
+        if d["kind"] == "ServingPool"
+    ]
     assert {(p["spec"]["service"], p["spec"]["role"]) for p in pools} == {
         ("llama3-8b", "prefill"),
         ("llama3-8b", "decode"),

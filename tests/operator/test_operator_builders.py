@@ -1,0 +1,264 @@
+"""Pure builders: manifests valid for Kubernetes, command lines and files as contracted."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from flowprefill_operator.builders import (
+    PoolRef,
+    SLOClassView,
+    build_engine_config,
+    build_gateway_children,
+    build_pool_children,
+    build_slo_table,
+    judge_classes,
+    sha256_hex,
+)
+from flowprefill_operator.builders.common import CONFIG_HASH
+from flowprefill_operator.models import LabelSelector, ServingPoolSpec, SLOClassSpec
+from flowprefill_operator.settings import OperatorSettings
+
+SETTINGS = OperatorSettings()
+PREFILL = ServingPoolSpec.model_validate(
+    {
+        "service": "llama3-8b",
+        "role": "prefill",
+        "replicas": 3,
+        "model": {"path": "/models/llama", "pvc": {"claimName": "weights"}},
+        "engine": {"chunkSize": 2048, "ttftProfile": {"name": "prof", "key": "a100.json"}},
+        "resources": {
+            "gpusPerPod": 1,
+            "cpu": "8",
+            "memory": "64Gi",
+            "nodeSelector": {"gpu": "a100"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+        },
+    }
+)
+DECODE = ServingPoolSpec.model_validate(
+    {
+        "service": "llama3-8b",
+        "role": "decode",
+        "model": {"path": "/models/llama", "image": {"reference": "reg/llama@sha256:" + "0" * 64}},
+        "vllmArgs": ["--max-model-len=8192"],
+    }
+)
+P = PoolRef("llama3-8b-prefill", "ns", "uid-p", PREFILL)
+D = PoolRef("llama3-8b-decode", "ns", "uid-d", DECODE)
+
+
+def by_kind(manifests: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def _all() -> list[dict[str, Any]]:
+    classes = [SLOClassView("chat", {}, "t0", 1, SLOClassSpec(task_type="text", ttft_slo_ms=250))]
+    table = build_slo_table(classes, [None], judge_classes(classes, {}), {})
+    return [
+        *build_pool_children(P, SETTINGS),
+        *build_pool_children(D, SETTINGS),
+        *build_gateway_children([P, D], table, SETTINGS),
+    ]
+
+
+@pytest.mark.parametrize("version", ["1.33", "1.37"])
+def test_every_child_validates_strictly(version: str) -> None:
+    manifests = _all()
+    assert {m["kind"] for m in manifests} == {"ConfigMap", "Deployment", "Service"}
+    for m in manifests:
+        kubernetes_validate.validate(m, version, strict=True)
+
+
+def test_a_bad_manifest_would_be_caught() -> None:
+    dep = by_kind(build_pool_children(P, SETTINGS), "Deployment")[0]
+    dep["spec"]["replicas"] = "three"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, "1.33", strict=True)
+
+
+def test_prefill_command_config_and_probes() -> None:
+    children = build_pool_children(P, SETTINGS)
+    dep = by_kind(children, "Deployment")[0]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == [
+        "flowprefill",
+        "serve-prefill",
+        "--config",
+        "/etc/flowprefill/engine.json",
+        "--port",
+        "8100",
+    ]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi"}
+    assert dep["spec"]["replicas"] == 3
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    engine = json.loads(by_kind(children, "ConfigMap")[0]["data"]["engine.json"])
+    assert engine == {
+        "model_path": "/models/llama",
+        "granularity": "operator",
+        "batch_token_budget": 4096,
+        "chunk_size": 2048,
+        "policy": "s-edf",
+        "predictor_path": "/etc/flowprefill/profile/a100.json",
+        "tp_size": 1,
+        "device": "cuda",
+        "dtype": "bfloat16",
+    }
+    svc = by_kind(children, "Service")[0]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+
+
+def test_engine_json_is_what_the_engine_reads() -> None:
+    config = pytest.importorskip("flowprefill.config")
+    config.EngineConfig.model_validate(build_engine_config(PREFILL).model_dump())
+
+
+def test_engine_config_change_rolls_the_pods_and_nothing_else_does() -> None:
+    def digest(spec: ServingPoolSpec) -> str:
+        dep = by_kind(
+            build_pool_children(P.__class__(P.name, "ns", "u", spec), SETTINGS), "Deployment"
+        )[0]
+        return str(dep["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH])
+
+    base = digest(PREFILL)
+    assert digest(PREFILL.model_copy(update={"replicas": 7})) == base
+    changed = PREFILL.model_copy(
+        update={"engine": PREFILL.engine_settings.model_copy(update={"policy": "fcfs"})}
+    )
+    assert digest(changed) != base
+
+
+def test_decode_command_and_model_image_volume() -> None:
+    dep = by_kind(build_pool_children(D, SETTINGS), "Deployment")[0]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == [
+        "python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/llama",
+        "--port",
+        "8200",
+        "--kv-transfer-config",
+        '{"kv_connector":"FlowPrefillConnector","kv_connector_module_path":'
+        '"flowprefill.kv.connector","kv_role":"kv_consumer"}',
+        "--max-model-len=8192",
+    ]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["image"]["reference"].startswith("reg/llama@sha256:")
+    assert by_kind(build_pool_children(D, SETTINGS), "ConfigMap") == []
+
+
+def test_children_are_owned_by_their_pool_and_gateway_by_all_pools() -> None:
+    for m in build_pool_children(P, SETTINGS):
+        assert m["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "flowprefill.io/v1alpha1",
+                "kind": "ServingPool",
+                "name": "llama3-8b-prefill",
+                "uid": "uid-p",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    table = build_slo_table([], [None], {}, {})
+    for m in build_gateway_children([P, D], table, SETTINGS):
+        assert {o["uid"] for o in m["metadata"]["ownerReferences"]} == {"uid-p", "uid-d"}
+
+
+def test_gateway_command_config_and_slo_table_mount() -> None:
+    table = build_slo_table([], [None], {}, {})
+    children = build_gateway_children([P, D], table, SETTINGS)
+    dep = by_kind(children, "Deployment")[0]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == [
+        "flowprefill",
+        "serve-gateway",
+        "--config",
+        "/etc/flowprefill/gateway.json",
+        "--slo-table",
+        "/etc/flowprefill/slo/slo-table.json",
+        "--port",
+        "8000",
+    ]
+    slo_mount = next(m for m in container["volumeMounts"] if m["name"] == "slo")
+    assert "subPath" not in slo_mount  # a directory mount is refreshed in place
+    gw = json.loads(by_kind(children, "ConfigMap")[0]["data"]["gateway.json"])
+    assert gw["model_name"] == "llama3-8b"
+    host = "llama3-8b-prefill.ns.svc.cluster.local"
+    assert gw["prefill"] == [
+        {"pool": "llama3-8b-prefill", "host": host, "port": 8100, "url": f"http://{host}:8100"}
+    ]
+    assert [e["port"] for e in gw["decode"]] == [8200]
+
+
+def view(
+    name: str, created: str = "t0", labels: dict[str, str] | None = None, **spec: Any
+) -> SLOClassView:
+    parsed = SLOClassSpec.model_validate({"taskType": "text", "ttftSloMs": 250, **spec})
+    return SLOClassView(name, labels or {}, created, 1, parsed)
+
+
+def test_slo_table_order_default_selection_and_hashes() -> None:
+    classes = [
+        view("file", taskType="file", ttftSloMs=6000, priority=0, labels={"tier": "bg"}),
+        view(
+            "chat",
+            priority=30,
+            default=True,
+            match={"headers": [{"name": "x-slo-class", "value": "chat"}]},
+        ),
+        view(
+            "search",
+            taskType="search",
+            ttftSloMs=4000,
+            priority=10,
+            labels={"tier": "bg"},
+            match={"apiKeySecretRef": {"name": "keys"}},
+        ),
+    ]
+    secrets = {"keys": [sha256_hex("k1")]}
+    verdicts = judge_classes(classes, secrets)
+    table = build_slo_table(classes, [None], verdicts, secrets)
+    assert [c.name for c in table.classes] == ["chat", "search", "file"]
+    assert table.default_class == "chat"
+    assert table.classes[0].match.headers == {"x-slo-class": "chat"}
+    assert table.classes[1].match.api_key_hashes == [sha256_hex("k1")]
+    assert "k1" not in table.model_dump_json()
+    only_bg = build_slo_table(
+        classes, [LabelSelector(match_labels={"tier": "bg"})], verdicts, secrets
+    )
+    assert [c.name for c in only_bg.classes] == ["search", "file"]
+    assert only_bg.default_class is None
+
+
+def test_slo_table_is_what_the_gateway_reads() -> None:
+    contracts = pytest.importorskip("flowprefill.contracts")
+    table = build_slo_table(
+        [view("chat", default=True)], [None], judge_classes([view("chat", default=True)], {}), {}
+    )
+    contracts.SLOTable.model_validate_json(table.model_dump_json())
+
+
+def test_judging_duplicate_defaults_missing_secrets_and_invalid_specs() -> None:
+    classes = [
+        view("b", created="t2", default=True),
+        view("a", created="t1", default=True),
+        view("c", match={"apiKeySecretRef": {"name": "gone"}}),
+        SLOClassView("d", {}, "t0", 1, None, "spec.ttftSloMs: missing"),
+    ]
+    verdicts = judge_classes(classes, {"gone": None})
+    assert verdicts["a"].accepted and verdicts["a"].reason == "Accepted"
+    assert (verdicts["b"].accepted, verdicts["b"].reason) == (False, "DuplicateDefault")
+    assert (verdicts["c"].accepted, verdicts["c"].reason) == (False, "SecretNotFound")
+    assert (verdicts["d"].accepted, verdicts["d"].reason) == (False, "InvalidSpec")
+    table = build_slo_table(classes, [None], verdicts, {"gone": None})
+    assert table.default_class == "a"
+    assert [c.name for c in table.classes] == ["a", "b", "c"]
