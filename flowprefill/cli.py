@@ -40,11 +40,18 @@ def _serve_prefill() -> Command:
     return server_cli.add_arguments, server_cli.run
 
 
+def _serve_gateway() -> Command:
+    from flowprefill.gateway import cli as gateway_cli
+
+    return gateway_cli.add_arguments, gateway_cli.run
+
+
 COMMANDS: dict[str, tuple[str, Callable[[], Command]]] = {
     "demo": ("FlowPrefill vs FCFS on a tiny local model: per-class TTFT attainment", _demo),
     "profile": ("Fit the TTFT predictor on this engine and hardware", _profile),
     "simulate": ("Goodput of every policy at GPU scale (discrete-event simulator)", _simulate),
     "serve-prefill": ("Run one prefill instance over HTTP", _serve_prefill),
+    "serve-gateway": ("Run the OpenAI-compatible gateway", _serve_gateway),
 }
 
 

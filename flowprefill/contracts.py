@@ -34,6 +34,18 @@ class GatewayConfig(_Contract):
     model_name: str = Field(description="Model name clients send in `model`.")
     prefill: list[Endpoint] = Field(description="Prefill pools.")
     decode: list[Endpoint] = Field(description="Decode pools.")
+    tokenizer_path: str | None = Field(
+        default=None, description="Model directory holding the tokenizer; null = model_name."
+    )
+    max_model_len: int | None = Field(
+        default=None, description="Context length; null = the model config's."
+    )
+    prefill_routing: Literal["slack-aware", "round-robin", "least-loaded"] = Field(
+        default="slack-aware", description="How the gateway picks a prefill instance."
+    )
+    predictor_path: str | None = Field(
+        default=None, description="TTFT profile JSON for slack-aware routing; null = linear."
+    )
 
 
 class SLOTableMatch(_Contract):

@@ -1,0 +1,79 @@
+"""``flowprefill serve-gateway``: the OpenAI-compatible front door."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from flowprefill.contracts import GatewayConfig
+
+if TYPE_CHECKING:
+    from flowprefill.gateway.app import GatewayState
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="gateway.json (flowprefill.contracts)")
+    p.add_argument("--slo-table", required=True, help="slo-table.json; reloaded when it changes")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-body-mb", type=float, default=32.0)
+    p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds")
+
+
+def build_state(
+    config: GatewayConfig, slo_table: str | Path, upstream_timeout_s: float = 600.0
+) -> GatewayState:
+    import httpx
+    from transformers import AutoConfig, AutoTokenizer
+
+    from flowprefill.gateway.app import GatewayState, Tokenizer
+    from flowprefill.gateway.classify import SLOTableFile
+    from flowprefill.gateway.routing import InstancePool
+    from flowprefill.gateway.upstream import DecodeClient, PrefillClient
+    from flowprefill.models import resolve_model_path
+    from flowprefill.predictor.model import TTFTPredictor
+
+    model_dir = resolve_model_path(config.tokenizer_path or config.model_name)
+    hf_tok = AutoTokenizer.from_pretrained(model_dir)
+    model_config = AutoConfig.from_pretrained(model_dir)
+    max_len = config.max_model_len or int(model_config.max_position_embeddings)
+    eos = model_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if hf_tok.eos_token_id is not None:
+        eos_ids.add(int(hf_tok.eos_token_id))
+    predict = TTFTPredictor.load(config.predictor_path).predict_s if config.predictor_path else None
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(upstream_timeout_s, connect=5.0),
+        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+    )
+    decode_urls = [e.url for e in config.decode]
+    return GatewayState(
+        model_name=config.model_name,
+        tokenizer=Tokenizer(hf_tok, max_len, eos_ids),
+        slo_file=SLOTableFile(slo_table),
+        prefill_pool=InstancePool(
+            "prefill",
+            [e.url for e in config.prefill],
+            policy=config.prefill_routing,
+            predict_s=predict,
+        ),
+        decode_pool=InstancePool("decode", decode_urls, policy="least-loaded")
+        if decode_urls
+        else None,
+        prefill_client=PrefillClient(client),
+        decode_client=DecodeClient(client, model=str(model_dir)) if decode_urls else None,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from flowprefill.gateway.app import create_gateway_app
+    from flowprefill.server.errors import BodySizeLimit
+
+    config = GatewayConfig.model_validate_json(Path(args.config).read_text())
+    state = build_state(config, args.slo_table, args.upstream_timeout)
+    app = BodySizeLimit(create_gateway_app(state), int(args.max_body_mb * 2**20))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    return 0
