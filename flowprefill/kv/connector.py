@@ -68,8 +68,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-# vLLM's logger prefix ("vllm.") would route through its handler; ours goes to the root.
-logger = logging.getLogger("flowprefill.kv.connector")
+# A child of vLLM's "vllm" logger: it inherits vLLM's handler and format, so our lines
+# appear in the decode server's log (a "flowprefill.*" logger has no handler there).
+logger = logging.getLogger("vllm.flowprefill.kv.connector")
 
 
 @dataclass
