@@ -95,7 +95,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         self._rv = itertools.count(1)
         self._events: list[tuple[int, Any, dict[str, Any]]] = []
         self._changed = asyncio.Condition()
-        self.fail_next: list[int] = []  # HTTP statuses to answer the next writes with
+        # plural -> HTTP statuses to answer the next writes of that resource with
+        self.fail_next: dict[str, list[int]] = {}
 
     # ---- registration -----------------------------------------------------------------
 
@@ -133,8 +134,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             if action == kmock.action.FETCH:
                 return aiohttp.web.json_response(await self._fetch(request))
             if action in (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE):
-                if self.fail_next:
-                    status = self.fail_next.pop(0)
+                injected = self.fail_next.get(request.resource.plural)
+                if injected:
+                    status = injected.pop(0)
                     raise kmock.KubernetesError(status=status, reason="Injected", message="test")
                 async with self._lock:
                     result = await self._write(request)
@@ -411,9 +413,10 @@ class EmulatorThread:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
 
-    def fail_next_writes(self, *statuses: int) -> None:
+    def fail_next_writes(self, plural: str, *statuses: int) -> None:
+        """Answer the next writes of one resource with these error statuses."""
         assert self.emulator is not None
-        self.emulator.fail_next.extend(statuses)
+        self.emulator.fail_next.setdefault(plural, []).extend(statuses)
 
     def write_kubeconfig(self, path: Path) -> Path:
         path.write_text(
