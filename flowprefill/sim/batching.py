@@ -1,0 +1,95 @@
+"""Batching policies the simulator adds, behind the engine's own ``BatchingPolicy`` protocol.
+
+The engine's :mod:`flowprefill.scheduler.batching` has ``slo-aware`` and ``none``. The
+baselines and the "beyond the paper" experiments need two more; they implement the same
+protocol and are handed to the same :class:`~flowprefill.scheduler.core.Scheduler`:
+
+* ``greedy`` — what DistServe / vLLM do: fill the token budget in queue (priority) order,
+  stopping at the first request that does not fit. No deadline check.
+* ``member-aware`` — SLO-aware batching that also looks at each member: a candidate joins
+  only if the grown batch still finishes before *its own* deadline as well as the leader's,
+  and a candidate that cannot make its deadline even alone (negative slack) never joins a
+  feasible leader. When the leader itself is already late, the batch is filled greedily with
+  other late requests: they are misses either way, and clearing them in full batches costs
+  the feasible ones less device time than one by one (Algorithm 1 runs a late leader alone,
+  because no prediction fits a negative remaining time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flowprefill.errors import UnknownNameError
+from flowprefill.request import Request
+from flowprefill.scheduler.batching import BATCHING, BatchingPolicy, PredictFn, get_batching
+
+
+class GreedyBatching:
+    name = "greedy"
+
+    def form_batch(
+        self,
+        leader: Request,
+        candidates: Iterable[Request],
+        *,
+        now_s: float,
+        predict_s: PredictFn,
+        token_budget: int,
+    ) -> list[Request]:
+        batch = [leader]
+        num_tokens = leader.num_tokens
+        for r in candidates:
+            if num_tokens + r.num_tokens > token_budget:
+                break
+            batch.append(r)
+            num_tokens += r.num_tokens
+        return batch
+
+
+class MemberAwareBatching:
+    name = "member-aware"
+
+    def form_batch(
+        self,
+        leader: Request,
+        candidates: Iterable[Request],
+        *,
+        now_s: float,
+        predict_s: PredictFn,
+        token_budget: int,
+    ) -> list[Request]:
+        batch = [leader]
+        num_tokens = leader.num_tokens
+        tightest_s = leader.deadline_s - now_s
+        leader_late = tightest_s < predict_s(leader.num_tokens)
+        for r in candidates:
+            grown = num_tokens + r.num_tokens
+            if grown > token_budget:
+                continue
+            remaining_s = r.deadline_s - now_s
+            late = remaining_s < predict_s(r.num_tokens)
+            if leader_late:
+                ok = late
+            else:
+                ok = not late and predict_s(grown) < min(tightest_s, remaining_s)
+            if ok:
+                batch.append(r)
+                num_tokens = grown
+                tightest_s = min(tightest_s, remaining_s)
+        return batch
+
+
+SIM_BATCHING: dict[str, type[BatchingPolicy]] = {
+    b.name: b for b in (GreedyBatching, MemberAwareBatching)
+}
+
+
+def build_batching(name: str) -> BatchingPolicy:
+    """The engine's policies by name, plus the simulator's."""
+    key = name.lower().replace("_", "-")
+    if key in BATCHING:
+        return get_batching(key)
+    cls = SIM_BATCHING.get(key)
+    if cls is None:
+        raise UnknownNameError("batching policy", name, sorted({*BATCHING, *SIM_BATCHING}))
+    return cls()

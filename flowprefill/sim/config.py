@@ -1,0 +1,143 @@
+"""Simulation settings (pydantic) and how they turn into a cost model and workloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flowprefill.errors import InvalidRequestError
+from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.sim.cost import (
+    ATTN_EFFICIENCY,
+    PASS_OVERHEAD_S,
+    CostModel,
+    ProfileCostModel,
+    build_cost_model,
+)
+from flowprefill.sim.hardware import get_gpu, get_model
+from flowprefill.sim.systems import DEFAULT_SYSTEMS, fit_predictor, get_system
+from flowprefill.sim.traces import load_trace
+from flowprefill.sim.workload import Workload, get_slo_table, qwen_like, sharegpt_like
+
+
+class CostSpec(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    model: str = Field("llama3-8b", description="Model shape (and SLO table) to simulate.")
+    gpu: str = Field("a100", description="GPU: a100 (measured), a800, h100 (scaled).")
+    tp: int | None = Field(None, description="Tensor-parallel degree; default per model.")
+    attn_efficiency: float = Field(ATTN_EFFICIENCY, description="Attention FLOP efficiency.")
+    pass_overhead_s: float = Field(PASS_OVERHEAD_S, description="Fixed cost per pass/chunk.")
+    profile: str | None = Field(
+        None, description="A `flowprefill profile` JSON: simulate that engine instead of a GPU."
+    )
+    profile_layers: int = Field(4, description="Layers to split a profiled pass into.")
+
+    def build(self) -> CostModel:
+        if self.profile is not None:
+            return ProfileCostModel(load_profile(self.profile), num_layers=self.profile_layers)
+        return build_cost_model(
+            self.model,
+            self.gpu,
+            tp=self.tp,
+            attn_efficiency=self.attn_efficiency,
+            pass_overhead_s=self.pass_overhead_s,
+        )
+
+    def predictor(self, cost: CostModel) -> TTFTPredictor:
+        """The scheduler's predictor: the profile itself, or a fit to the simulated GPU."""
+        if self.profile is not None:
+            return load_profile(self.profile)
+        return fit_predictor(cost)
+
+    def validate_names(self) -> None:
+        if self.profile is None:
+            get_model(self.model)
+            get_gpu(self.gpu)
+        get_slo_table(self.model)
+
+
+def load_profile(path: str) -> TTFTPredictor:
+    return TTFTPredictor.load(path)
+
+
+class WorkloadSpec(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["qwen", "sharegpt", "trace"] = Field(
+        "qwen", description="qwen: QwenTrace-like (Table 1); sharegpt: single-SLO chat; trace."
+    )
+    num_requests: int = Field(3000, description="Requests per generated workload (per seed).")
+    seeds: tuple[int, ...] = Field((0,), description="One workload per seed; results pooled.")
+    arrival: Literal["poisson", "gamma"] = Field("poisson", description="Arrival process.")
+    burst_cv: float = Field(2.0, description="Gamma inter-arrival CV (bursty when > 1).")
+    trace: str | None = Field(None, description="Trace file (.jsonl or .csv) for kind=trace.")
+
+    def build(self, slo_model: str, max_tokens: int) -> list[Workload]:
+        if self.kind == "trace":
+            if self.trace is None:
+                raise InvalidRequestError("--workload trace needs --trace FILE")
+            return [load_trace(Path(self.trace), get_slo_table(slo_model), max_tokens=max_tokens)]
+        if self.num_requests <= 0:
+            raise InvalidRequestError(f"--num-requests must be positive, got {self.num_requests}")
+        if not self.seeds:
+            raise InvalidRequestError("--seeds needs at least one seed")
+        if self.kind == "sharegpt":
+            return [sharegpt_like(self.num_requests, seed=s, model=slo_model) for s in self.seeds]
+        return [
+            qwen_like(
+                self.num_requests,
+                seed=s,
+                arrival=self.arrival,
+                burst_cv=self.burst_cv,
+                model=slo_model,
+                max_tokens=max_tokens,
+            )
+            for s in self.seeds
+        ]
+
+
+class SweepConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    cost: CostSpec = Field(default_factory=CostSpec, description="Device cost model.")
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec, description="Workload.")
+    systems: tuple[str, ...] = Field(tuple(DEFAULT_SYSTEMS), description="Systems compared.")
+    target: float = Field(0.9, description="SLO attainment that defines goodput.")
+    rel_tol: float = Field(0.02, description="Relative precision of the bisections.")
+    rates: tuple[float, ...] = Field((), description="Rate grid (req/s); empty: from bound.")
+    slo_scales: tuple[float, ...] = Field(
+        (0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8, 1.0, 1.3, 1.7, 2.2, 3.0, 4.0),
+        description="SLO-scale grid for the attainment-vs-SLO curves.",
+    )
+    slo_rate: float | None = Field(
+        None, description="Fixed rate (req/s) of the SLO-scale sweep; default 25 % of bound."
+    )
+    oracles: bool = Field(True, description="Also find each policy's instant-preemption oracle.")
+    instances: int = Field(1, description="Prefill instances behind the gateway.")
+    router: str = Field("round-robin", description="Gateway routing across instances.")
+    live_progress: bool = Field(True, description="Refresh running task progress each round.")
+    jobs: int = Field(2, description="Worker processes.")
+
+    def check(self) -> None:
+        """Reject bad values with a message naming the flag."""
+        self.cost.validate_names()
+        for s in self.systems:
+            get_system(s)
+        if not self.systems:
+            raise InvalidRequestError("--systems: name at least one system")
+        if not 0 < self.target < 1:
+            raise InvalidRequestError(f"--target must be in (0, 1), got {self.target}")
+        if not 0 < self.rel_tol < 0.5:
+            raise InvalidRequestError(f"--tolerance must be in (0, 0.5), got {self.rel_tol}")
+        for flag, values in (("--rates", self.rates), ("--slo-scales", self.slo_scales)):
+            if any(not v > 0 for v in values):
+                raise InvalidRequestError(f"{flag} must all be positive, got {list(values)}")
+        if self.slo_rate is not None and not self.slo_rate > 0:
+            raise InvalidRequestError(f"--slo-rate must be positive, got {self.slo_rate}")
+        if self.instances < 1:
+            raise InvalidRequestError(f"--instances must be ≥ 1, got {self.instances}")
+        if self.jobs < 1:
+            raise InvalidRequestError(f"--jobs must be ≥ 1, got {self.jobs}")

@@ -1,0 +1,256 @@
+"""Cost models: how long one forward pass (one chunk of a task) takes, operator by operator.
+
+A pass runs ``pre_s`` (per-pass overhead + embedding), then ``num_layers`` identical layers,
+each a sequence of segments between checkpoints (``op_s``: qkv_proj, attention, o_proj,
+gate_up, down_proj). :mod:`flowprefill.sim.plan` places preemption points on that timeline.
+
+Two models:
+
+* :class:`GPUCostModel` — the vidur A100 profile of Llama-3-8B (:mod:`.vidur`) for the
+  GEMM-type operators, interpolated in the token count; attention from FLOPs
+  (``4·h·d·(c·p + c²/2)`` per layer for ``c`` new tokens after ``p`` cached ones) at
+  ``attn_efficiency`` of the GPU's peak, plus the **KV re-read** of a chunk: ``p`` cached
+  tokens' K and V come back from HBM once per layer, which (with the per-pass overhead)
+  makes small chunks slow (paper §3.1). Other models scale each operator by its weight (or
+  width) ratio to Llama-3-8B at the same TP degree; other GPUs by the ratio of peak FLOP/s
+  (and of HBM bandwidth for the re-read); TP>1 adds a ring all-reduce after o_proj and
+  down_proj.
+* :class:`ProfileCostModel` — the engine's own ``flowprefill profile`` fit
+  (:class:`~flowprefill.predictor.model.TTFTPredictor`), for simulating this CPU engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+
+import numpy as np
+
+from flowprefill.errors import InvalidRequestError, UnknownNameError
+from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.sim.hardware import (
+    GPUS,
+    MODELS,
+    REFERENCE_GPU,
+    REFERENCE_MODEL,
+    GPUSpec,
+    ModelShape,
+    get_gpu,
+    get_model,
+)
+from flowprefill.sim.vidur import VIDUR_OPS, load_tables
+
+SEGMENTS = ("qkv_proj", "attention", "o_proj", "gate_up", "down_proj")
+
+# --- constants (see docs/simulator.md, "Cost model") --------------------------------------
+ATTN_EFFICIENCY = 0.6
+"""Fraction of peak BF16 FLOP/s a prefill attention kernel reaches. FlashAttention-2 (Dao,
+2023, §4) reports 50–73 % of A100 peak for the forward pass at head dim 128."""
+PASS_OVERHEAD_S = 0.002
+"""Per forward pass (per chunk): scheduling step, input preparation, sampling, launch gaps
+not in the operator profile. An assumption of the order vLLM shows; ``--pass-overhead-ms``."""
+ALLREDUCE_LATENCY_S = 10e-6
+"""Fixed latency of one NCCL all-reduce on NVLink (order of the NCCL-tests small-message
+latency); only used when TP > 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassCost:
+    """Timeline of one forward pass: ``pre_s``, then ``num_layers`` × ``op_s``."""
+
+    pre_s: float
+    op_s: tuple[float, ...]
+    num_layers: int
+
+    @property
+    def layer_s(self) -> float:
+        return sum(self.op_s)
+
+    @property
+    def total_s(self) -> float:
+        return self.pre_s + self.num_layers * self.layer_s
+
+
+Segment = tuple[int, int]
+"""``(num_new_tokens, num_prefix_tokens)`` of one request in one pass."""
+
+
+class CostModel(Protocol):
+    name: str
+    max_context_tokens: int
+
+    def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
+        """Cost of one pass over these request segments (batched, one chunk each)."""
+        ...
+
+    def ideal_cost_s(self, num_tokens: int) -> float:
+        """Lower bound on the device time one request of this length can cost (ideal
+        batching, no overheads): used for the work-conserving bound."""
+        ...
+
+
+def _op_scale(model: ModelShape, ref: ModelShape) -> dict[str, float]:
+    """Per vidur operator: how much bigger this model's operator is than Llama-3-8B's."""
+    hidden = model.hidden_size / ref.hidden_size
+    return {
+        "emb": hidden,
+        "input_layernorm": hidden,
+        "post_attention_layernorm": hidden,
+        "add": hidden,
+        "attn_pre_proj": model.qkv_weights / ref.qkv_weights,
+        "attn_rope": (model.num_heads + model.num_kv_heads) / (ref.num_heads + ref.num_kv_heads),
+        "attn_post_proj": model.o_weights / ref.o_weights,
+        "mlp_up_proj": model.gate_up_weights / ref.gate_up_weights,
+        "mlp_act": model.intermediate_size / ref.intermediate_size,
+        "mlp_down_proj": model.down_weights / ref.down_weights,
+    }
+
+
+class GPUCostModel:
+    """Operator times of ``model`` at TP ``tp`` on ``gpu`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: ModelShape,
+        gpu: GPUSpec,
+        *,
+        tp: int | None = None,
+        attn_efficiency: float = ATTN_EFFICIENCY,
+        pass_overhead_s: float = PASS_OVERHEAD_S,
+    ) -> None:
+        tables = load_tables()
+        tp = model.default_tp if tp is None else tp
+        if tp not in tables:
+            raise UnknownNameError("tensor-parallel degree", str(tp), [str(t) for t in tables])
+        if not 0 < attn_efficiency <= 1:
+            raise InvalidRequestError(f"--attn-efficiency must be in (0, 1], got {attn_efficiency}")
+        if pass_overhead_s < 0:
+            raise InvalidRequestError(f"--pass-overhead-ms must be ≥ 0, got {pass_overhead_s}")
+        self.model, self.gpu, self.tp = model, gpu, tp
+        self.name = f"{model.name}/{gpu.name}/tp{tp}"
+        self.max_context_tokens = model.max_context_tokens
+        self.attn_efficiency = attn_efficiency
+        self.pass_overhead_s = pass_overhead_s
+        ref_gpu = GPUS[REFERENCE_GPU]
+        self.compute_speedup = gpu.peak_bf16_flops / ref_gpu.peak_bf16_flops
+        table = tables[tp]
+        scale = _op_scale(model, MODELS[REFERENCE_MODEL])
+        ms = {op: table.times_ms[op] * scale[op] for op in VIDUR_OPS}
+        add = ms["add"]
+        # Segment arrays in seconds on the reference GPU, by table.num_tokens.
+        self._xs = table.num_tokens
+        self._ys = np.stack(
+            [
+                ms["emb"],
+                ms["input_layernorm"] + ms["attn_pre_proj"] + ms["attn_rope"],
+                ms["attn_post_proj"] + add,
+                ms["post_attention_layernorm"] + ms["mlp_up_proj"],
+                ms["mlp_act"] + ms["mlp_down_proj"] + add,
+            ]
+        ) * (1e-3 / self.compute_speedup)
+        self._attn_flop_s = 1.0 / (gpu.peak_bf16_flops * attn_efficiency)
+        self._heads = max(1, model.num_heads // tp)
+        self._kv_bytes = model.kv_bytes_per_token_per_layer(tp)
+        self._gemm = lru_cache(maxsize=1 << 16)(self._gemm_uncached)
+
+    def _gemm_uncached(self, num_tokens: int) -> tuple[float, float, float, float, float]:
+        """(emb, qkv, o_proj, gate_up, down_proj) seconds for a pass of ``num_tokens``."""
+        xs, ys = self._xs, self._ys
+        if num_tokens > xs[-1]:
+            vals = ys[:, -1] * (num_tokens / xs[-1])
+        else:
+            vals = np.array([np.interp(num_tokens, xs, row) for row in ys])
+        emb, qkv, o, up, down = (float(v) for v in vals)
+        comm = self.allreduce_s(num_tokens)
+        return emb, qkv, o + comm, up, down + comm
+
+    def allreduce_s(self, num_tokens: int) -> float:
+        """Ring all-reduce of the ``num_tokens × hidden`` bf16 activations (TP > 1 only)."""
+        if self.tp == 1:
+            return 0.0
+        nbytes = num_tokens * self.model.hidden_size * 2
+        ring = 2 * (self.tp - 1) / self.tp
+        return ALLREDUCE_LATENCY_S + ring * nbytes / self.gpu.nvlink_bytes_per_s
+
+    def attention_s(self, segments: Sequence[Segment]) -> float:
+        """One layer's attention over all segments: FLOPs + KV re-read of prefixes."""
+        pairs = 0.0
+        prefix_tokens = 0
+        for c, p in segments:
+            pairs += c * p + c * c / 2
+            prefix_tokens += p
+        flops = 4.0 * self._heads * self.model.head_dim * pairs
+        reread_s = prefix_tokens * self._kv_bytes / self.gpu.hbm_bytes_per_s
+        return flops * self._attn_flop_s + reread_s
+
+    def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
+        num_tokens = sum(c for c, _ in segments)
+        emb, qkv, o, up, down = self._gemm(num_tokens)
+        attn = self.attention_s(segments)
+        return PassCost(self.pass_overhead_s + emb, (qkv, attn, o, up, down), self.model.num_layers)
+
+    def ideal_cost_s(self, num_tokens: int) -> float:
+        per_token = min(
+            (self._ys[0, i] + self.model.num_layers * self._ys[1:, i].sum()) / n
+            for i, n in enumerate(self._xs)
+        )
+        attn = self.attention_s([(num_tokens, 0)]) * self.model.num_layers
+        return float(per_token) * num_tokens + attn
+
+
+class ProfileCostModel:
+    """The engine's measured ``poly(n)`` (a ``flowprefill profile`` JSON) as a cost model.
+
+    A pass over ``T`` new tokens after ``P`` cached ones costs
+    ``a + poly(P + T) − poly(P)`` (``a`` = the fit's constant term): the quadratic term
+    is the engine's packed attention, whose mask covers every token seen so far; with
+    ``P = 0`` this is exactly ``predict_s(T)``, the scheduler's own batch prediction.
+    The pass is split evenly into ``num_layers`` × 5 checkpointed segments (the profile
+    has no per-operator times).
+    """
+
+    def __init__(self, predictor: TTFTPredictor, *, num_layers: int = 4, max_tokens: int = 0):
+        if num_layers < 1:
+            raise InvalidRequestError(f"--profile-layers must be ≥ 1, got {num_layers}")
+        self.predictor = predictor
+        self.num_layers = num_layers
+        self.name = f"profile:{predictor.model or 'engine'}@{predictor.hardware or 'cpu'}"
+        self.max_context_tokens = max_tokens or max(predictor.max_tokens * 8, 32768)
+        self._coef = list(predictor.coefficients)
+
+    def _poly(self, n: float) -> float:
+        acc = 0.0
+        for c in reversed(self._coef):
+            acc = acc * n + c
+        return acc
+
+    def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
+        new = sum(c for c, _ in segments)
+        prefix = sum(p for _, p in segments)
+        total = self._coef[0] + self._poly(prefix + new) - self._poly(prefix)
+        total = max(total, self.predictor.min_latency_s)
+        op = total / (5 * self.num_layers)
+        return PassCost(0.0, (op,) * 5, self.num_layers)
+
+    def ideal_cost_s(self, num_tokens: int) -> float:
+        return max(self._poly(num_tokens) - self._coef[0], 0.0)
+
+
+def build_cost_model(
+    model: str,
+    gpu: str,
+    *,
+    tp: int | None = None,
+    attn_efficiency: float = ATTN_EFFICIENCY,
+    pass_overhead_s: float = PASS_OVERHEAD_S,
+) -> GPUCostModel:
+    """By name; unknown model or GPU names raise UnknownNameError listing the known ones."""
+    return GPUCostModel(
+        get_model(model),
+        get_gpu(gpu),
+        tp=tp,
+        attn_efficiency=attn_efficiency,
+        pass_overhead_s=pass_overhead_s,
+    )

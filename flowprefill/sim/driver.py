@@ -1,0 +1,246 @@
+"""The discrete-event driver: the engine's Scheduler against simulated execution pools.
+
+Each :class:`Instance` mirrors one prefill instance's scheduler loop
+(:mod:`flowprefill.scheduler.loop`) on a virtual clock. A wake-up happens at the time of
+its earliest queued event (an arrival or a completion) — or, if the loop thread was still
+blocked in a preempt, when it is free again — and then exactly as in the engine: handle
+*every* event queued by then, run **one** ``Scheduler.schedule`` round, and apply its
+commands in order on the pool. A ``preempt`` blocks the loop for the victim's remaining
+operator (or layer, or chunk); the following ``submit``/``resume`` starts when it returns.
+Scheduling decisions cost no simulated time.
+
+The :class:`~flowprefill.scheduler.core.Scheduler` objects are the engine's; the driver
+only adds requests, reports completions and carries out commands.
+
+One deliberate difference, on by default (``live_progress``): before each round the
+running task's ``progress`` is refreshed from the pool, so S-EDF sees the true remaining
+time of the task in flight. The engine only refreshes it when a task is preempted; run
+with ``live_progress=False`` to reproduce that exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flowprefill.request import Request, RequestState, Task
+from flowprefill.scheduler.core import CommandKind, Scheduler
+from flowprefill.sim.gateway import Admission, AdmitAll, RoundRobin, Router
+from flowprefill.sim.pool import SimulatedPool
+
+_ARRIVAL, _COMPLETION = 0, 1
+_Event = tuple[float, int, int, Request | Task, int]
+
+
+def finish_task(scheduler: Scheduler, task: Task, now_s: float) -> None:
+    """Report a completion to the scheduler.
+
+    A preempt that raced with the task's end (no checkpoint before it) leaves the task in
+    ``Q_p``, and ``Scheduler.finish`` then moves its requests PREEMPTED → FINISHED, which
+    request.py currently forbids. Pass them through RUNNING first (a legal move that
+    changes nothing else) until that transition is allowed.
+    """
+    if task.task_id in scheduler.preempted:
+        task.transition(RequestState.RUNNING, now_s)
+    scheduler.finish(task, now_s)
+
+
+@dataclass(eq=False)
+class Instance:
+    """One prefill instance: the engine's scheduler, a simulated pool, an event queue."""
+
+    scheduler: Scheduler
+    pool: SimulatedPool
+    admission: Admission = field(default_factory=AdmitAll)
+    live_progress: bool = True
+    loop_free_s: float = 0.0
+    num_shed: int = 0
+    _events: list[_Event] = field(default_factory=list)
+    _seq: itertools.count[int] = field(default_factory=itertools.count)
+
+    def post(self, time_s: float, kind: int, payload: Request | Task, token: int = 0) -> None:
+        heapq.heappush(self._events, (time_s, next(self._seq), kind, payload, token))
+
+    def next_wake_s(self) -> float:
+        events = self._events
+        while events and events[0][2] == _COMPLETION:
+            _, _, _, task, token = events[0]
+            if self.pool.token(task) == token:  # type: ignore[arg-type]
+                break
+            heapq.heappop(events)  # superseded: the task was preempted or resumed since
+        if not events:
+            return math.inf
+        return max(events[0][0], self.loop_free_s)
+
+    def wake(self, now_s: float, sim: Simulation) -> None:
+        sched, pool, events = self.scheduler, self.pool, self._events
+        while events and events[0][0] <= now_s:
+            _, _, kind, payload, token = heapq.heappop(events)
+            if kind == _ARRIVAL:
+                assert isinstance(payload, Request)
+                if self.admission.admit(payload, sched, now_s):
+                    sched.add(payload)
+                else:
+                    payload.transition(RequestState.CANCELLED, now_s)
+                    self.num_shed += 1
+                    sim.count_miss()
+            else:
+                assert isinstance(payload, Task)
+                if pool.token(payload) != token:
+                    continue
+                finish_task(sched, payload, now_s)
+                pool.release(payload)
+                sim.count_finished(payload)
+        running = sched.running
+        if self.live_progress and running is not None:
+            running.progress = pool.progress(running, now_s)
+        out = sched.schedule(now_s)
+        t = now_s
+        for cmd in out.commands:
+            task = cmd.task
+            if cmd.kind is CommandKind.PREEMPT:
+                t += pool.preempt(task, t).blocking_s
+            else:
+                if cmd.kind is CommandKind.SUBMIT:
+                    done_s = pool.submit(task, t)
+                else:
+                    done_s = pool.resume(task, t)
+                self.post(done_s, _COMPLETION, task, pool.token(task) or 0)
+        self.loop_free_s = t
+
+
+@dataclass(slots=True)
+class SimResult:
+    num_requests: int
+    num_met: int
+    num_shed: int
+    num_missed_seen: int
+    stopped_early: bool
+    per_class: dict[str, tuple[int, int]]
+    """class → (met, total)."""
+    ttft_s: list[float | None]
+    blocking_s: list[float]
+    num_rounds: int
+    num_preemptions: int
+    first_arrival_s: float
+    last_finish_s: float
+    num_tokens_done: int
+
+    @property
+    def attainment(self) -> float:
+        return self.num_met / self.num_requests if self.num_requests else 0.0
+
+    @property
+    def throughput_tokens_per_s(self) -> float:
+        span = self.last_finish_s - self.first_arrival_s
+        return self.num_tokens_done / span if span > 0 else 0.0
+
+    @property
+    def rounds_per_request(self) -> float:
+        return self.num_rounds / self.num_requests if self.num_requests else 0.0
+
+
+class Simulation:
+    """Drive requests through ``instances``; ``miss_budget`` stops early once more than
+    that many requests have missed (the attainment is then known to be too low)."""
+
+    def __init__(
+        self,
+        instances: Sequence[Instance],
+        *,
+        router: Router | None = None,
+        miss_budget: int | None = None,
+    ) -> None:
+        if not instances:
+            raise ValueError("a simulation needs at least one instance")
+        self.instances = list(instances)
+        self.router = router or RoundRobin()
+        self.miss_budget = miss_budget
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._misses = 0
+        self._tokens_done = 0
+        self._last_finish_s = 0.0
+
+    def count_miss(self) -> None:
+        self._misses += 1
+
+    def count_finished(self, task: Task) -> None:
+        for r in task.requests:
+            if r.state is RequestState.FINISHED:
+                self._tokens_done += r.num_tokens
+                self._last_finish_s = max(self._last_finish_s, r.finish_s or 0.0)
+
+    def _expire(self, now_s: float) -> None:
+        """Count every request whose deadline passed before ``now_s`` without its token."""
+        dl = self._deadlines
+        while dl and dl[0][0] < now_s:
+            _, _, r = heapq.heappop(dl)
+            if r.state is RequestState.CANCELLED:
+                continue  # shed: counted when it was shed
+            if not (r.state is RequestState.FINISHED and r.met_slo):
+                self._misses += 1
+
+    def _over_budget(self) -> bool:
+        return self.miss_budget is not None and self._misses > self.miss_budget
+
+    def run(self, requests: Sequence[Request]) -> SimResult:
+        arrivals = sorted(requests, key=lambda r: (r.arrival_s, r.seq))
+        instances = self.instances
+        stopped = False
+        i, n = 0, len(arrivals)
+        while True:
+            t_arr = arrivals[i].arrival_s if i < n else math.inf
+            inst, wake_s = None, math.inf
+            for x in instances:
+                w = x.next_wake_s()
+                if w < wake_s:
+                    inst, wake_s = x, w
+            if t_arr <= wake_s and i < n:
+                r = arrivals[i]
+                i += 1
+                self._expire(t_arr)
+                heapq.heappush(self._deadlines, (r.deadline_s, r.seq, r))
+                k = 0 if len(instances) == 1 else self.router.choose(r, instances, t_arr)
+                instances[k].post(t_arr, _ARRIVAL, r)
+            elif inst is not None:
+                self._expire(wake_s)
+                inst.wake(wake_s, self)
+            else:
+                break
+            if self._over_budget():
+                stopped = True
+                break
+        if not stopped:
+            self._expire(math.inf)
+        return self._result(arrivals, stopped)
+
+    def _result(self, arrivals: list[Request], stopped: bool) -> SimResult:
+        per_class: dict[str, list[int]] = {}
+        num_met = 0
+        ttft: list[float | None] = []
+        for r in arrivals:
+            met = r.state is RequestState.FINISHED and bool(r.met_slo)
+            num_met += met
+            slot = per_class.setdefault(r.slo_class, [0, 0])
+            slot[0] += met
+            slot[1] += 1
+            ttft.append(r.ttft_s if r.state is RequestState.FINISHED else None)
+        scheds = [x.scheduler for x in self.instances]
+        return SimResult(
+            num_requests=len(arrivals),
+            num_met=num_met,
+            num_shed=sum(x.num_shed for x in self.instances),
+            num_missed_seen=self._misses,
+            stopped_early=stopped,
+            per_class={k: (v[0], v[1]) for k, v in sorted(per_class.items())},
+            ttft_s=ttft,
+            blocking_s=[b for x in self.instances for b in x.pool.blocking_s],
+            num_rounds=sum(s.stats.num_rounds for s in scheds),
+            num_preemptions=sum(s.stats.num_preemptions for s in scheds),
+            first_arrival_s=arrivals[0].arrival_s if arrivals else 0.0,
+            last_finish_s=self._last_finish_s,
+            num_tokens_done=self._tokens_done,
+        )

@@ -1,0 +1,136 @@
+"""Where a simulated task can be preempted: its timeline and checkpoint positions.
+
+A task (a batch of requests) runs as one forward pass, or as one pass per chunk when the
+system uses chunked prefill (the chunk covers ``chunk_size`` tokens of the batch laid end to
+end; each request's tokens in a later chunk attend to its earlier ones). Positions are
+*elapsed run time* of the task, in seconds from its first operator.
+
+Checkpoints, mirroring the engine's executor (flowprefill/executor/checkpoints.py):
+
+* ``operator`` — after every checkpointed segment of every layer (qkv_proj, attention,
+  o_proj, gate_up, down_proj), including the very last one: the engine's hook after the
+  last ``down_proj`` fires too, so a task preempted there parks with progress 1.0 and
+  only finishes when it is resumed.
+* ``layer`` — after every decoder layer (the last one included, as above).
+* ``none`` — only between chunks (no chunks: never). A preempt issued during the last
+  chunk waits for the task to *finish*: the pool reports "not parked".
+* ``instant`` — the oracle: anywhere, at no cost.
+
+A preempt signal raised at elapsed ``e`` is honoured at the first checkpoint at or after
+``e``; the blocking time is the distance.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from flowprefill.errors import InvalidRequestError, UnknownNameError
+from flowprefill.sim.cost import CostModel, PassCost, Segment
+
+
+class Granularity(StrEnum):
+    OPERATOR = "operator"
+    LAYER = "layer"
+    NONE = "none"
+    INSTANT = "instant"
+
+
+def get_granularity(name: str) -> Granularity:
+    try:
+        return Granularity(name.lower())
+    except ValueError:
+        known = [g.value for g in Granularity]
+        raise UnknownNameError("preemption granularity", name, known) from None
+
+
+def chunk_segments(lengths: Sequence[int], chunk_size: int | None) -> list[list[Segment]]:
+    """Split a batch into passes: each pass is a list of ``(new, prefix)`` per request."""
+    if chunk_size is None:
+        return [[(n, 0) for n in lengths]]
+    if chunk_size <= 0:
+        raise InvalidRequestError(f"chunk size must be positive, got {chunk_size}")
+    passes: list[list[Segment]] = []
+    current: list[Segment] = []
+    room = chunk_size
+    for n in lengths:
+        done = 0
+        while done < n:
+            take = min(room, n - done)
+            current.append((take, done))
+            done += take
+            room -= take
+            if room == 0:
+                passes.append(current)
+                current, room = [], chunk_size
+    if current:
+        passes.append(current)
+    return passes
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionPlan:
+    passes: tuple[PassCost, ...]
+    starts_s: tuple[float, ...]
+    total_s: float
+    granularity: Granularity
+
+    @classmethod
+    def build(
+        cls,
+        cost: CostModel,
+        lengths: Sequence[int],
+        *,
+        granularity: Granularity,
+        chunk_size: int | None = None,
+    ) -> ExecutionPlan:
+        passes = tuple(cost.pass_cost(seg) for seg in chunk_segments(lengths, chunk_size))
+        starts: list[float] = []
+        t = 0.0
+        for p in passes:
+            starts.append(t)
+            t += p.total_s
+        return cls(passes, tuple(starts), t, granularity)
+
+    def next_checkpoint_s(self, elapsed_s: float) -> float | None:
+        """First checkpoint at or after ``elapsed_s``; None if the task ends first."""
+        g = self.granularity
+        if g is Granularity.INSTANT:
+            return min(elapsed_s, self.total_s)
+        k = max(0, bisect.bisect_right(self.starts_s, elapsed_s) - 1)
+        start = self.starts_s[k]
+        if k > 0 and elapsed_s == start:
+            return start  # exactly at a chunk boundary, which is a checkpoint
+        if g is Granularity.NONE:
+            return self.starts_s[k + 1] if k + 1 < len(self.starts_s) else None
+        p = self.passes[k]
+        y = elapsed_s - start - p.pre_s
+        layer_s = p.layer_s
+        if layer_s <= 0:
+            return start + p.total_s
+        if g is Granularity.LAYER:
+            n = min(max(math.ceil(y / layer_s), 1), p.num_layers)
+            return start + p.pre_s + n * layer_s
+        # OPERATOR
+        if y <= 0:
+            return start + p.pre_s + p.op_s[0]
+        layer = min(int(y // layer_s), p.num_layers - 1)
+        within = y - layer * layer_s
+        acc = 0.0
+        for op in p.op_s:
+            acc += op
+            if acc >= within:
+                return start + p.pre_s + layer * layer_s + acc
+        # Rounding put us past the layer's end: the next checkpoint is the next layer's first.
+        if layer + 1 < p.num_layers:
+            return start + p.pre_s + (layer + 1) * layer_s + p.op_s[0]
+        return start + p.total_s
+
+    def progress(self, elapsed_s: float) -> float:
+        """Fraction of the task's run time done (what ``Task.progress`` reports)."""
+        if self.total_s <= 0:
+            return 1.0
+        return min(1.0, max(0.0, elapsed_s / self.total_s))
