@@ -46,10 +46,17 @@ def _serve_gateway() -> Command:
     return gateway_cli.add_arguments, gateway_cli.run
 
 
+def _bench() -> Command:
+    from flowprefill.bench import cli as bench_cli
+
+    return bench_cli.add_arguments, bench_cli.run
+
+
 COMMANDS: dict[str, tuple[str, Callable[[], Command]]] = {
     "demo": ("FlowPrefill vs FCFS on a tiny local model: per-class TTFT attainment", _demo),
     "profile": ("Fit the TTFT predictor on this engine and hardware", _profile),
     "simulate": ("Goodput of every policy at GPU scale (discrete-event simulator)", _simulate),
+    "bench": ("Replay a workload against an OpenAI-compatible endpoint", _bench),
     "serve-prefill": ("Run one prefill instance over HTTP", _serve_prefill),
     "serve-gateway": ("Run the OpenAI-compatible gateway", _serve_gateway),
 }

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -36,3 +37,50 @@ def serve_in_thread(app: Any, **kwargs: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextmanager
+def local_stack(
+    model_dir: Path,
+    slo_table: Path,
+    *,
+    num_prefill: int = 2,
+    policy: str = "s-edf",
+    routing: str = "slack-aware",
+    table_refresh_s: float = 0.05,
+) -> Iterator[dict[str, Any]]:
+    """Prefill instances (threads, real tiny model) behind a real gateway, no decode."""
+    from contextlib import ExitStack
+
+    from flowprefill.contracts import Endpoint, GatewayConfig
+    from flowprefill.engine import PrefillEngine
+    from flowprefill.executor.runner import PreemptibleExecutor
+    from flowprefill.gateway.app import create_gateway_app
+    from flowprefill.gateway.cli import build_state
+    from flowprefill.models import load_model
+    from flowprefill.predictor.model import TTFTPredictor
+    from flowprefill.server.errors import BodySizeLimit
+    from flowprefill.server.prefill import create_app
+
+    with ExitStack() as stack:
+        urls, engines = [], []
+        for _ in range(num_prefill):
+            # Each instance gets its own copy of the weights, as separate processes would.
+            executor = stack.enter_context(PreemptibleExecutor(load_model(model_dir)))
+            engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5), policy=policy)
+            engines.append(engine)
+            urls.append(stack.enter_context(serve_in_thread(create_app(engine))))
+        config = GatewayConfig(
+            service="t",
+            model_name="tiny",
+            tokenizer_path=str(model_dir),
+            decode=[],
+            prefill=[Endpoint(pool="p", host="h", port=1, url=u) for u in urls],
+            prefill_routing=routing,  # type: ignore[arg-type]
+        )
+        state = build_state(config, slo_table)
+        state.table_refresh_s = table_refresh_s
+        gw = stack.enter_context(
+            serve_in_thread(BodySizeLimit(create_gateway_app(state), 256 * 1024))
+        )
+        yield {"url": gw, "state": state, "engines": engines, "prefill_urls": urls}

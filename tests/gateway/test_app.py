@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from flowprefill.contracts import Endpoint, GatewayConfig
-from flowprefill.engine import PrefillEngine
-from flowprefill.executor.runner import PreemptibleExecutor
-from flowprefill.gateway.app import create_gateway_app
-from flowprefill.gateway.cli import build_state
 from flowprefill.models import load_model, named_model_dir
-from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.server.errors import BodySizeLimit
-from flowprefill.server.prefill import create_app
-from tests.helpers import serve_in_thread
+from tests.helpers import local_stack
 
 SLO_TABLE = {
     "version": 1,
@@ -56,31 +47,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    model = load_model(model_dir)
-    tmp = tmp_path_factory.mktemp("gateway")
-    table = tmp / "slo-table.json"
+    table = tmp_path_factory.mktemp("gateway") / "slo-table.json"
     table.write_text(json.dumps(SLO_TABLE))
-    with ExitStack() as stack:
-        urls, engines = [], []
-        for _ in range(2):
-            # Each instance gets its own copy of the weights, as separate processes would.
-            executor = stack.enter_context(PreemptibleExecutor(load_model(model_dir)))
-            engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
-            engines.append(engine)
-            urls.append(stack.enter_context(serve_in_thread(create_app(engine))))
-        config = GatewayConfig(
-            service="t",
-            model_name="tiny",
-            tokenizer_path=str(model_dir),
-            prefill=[Endpoint(pool="p", host="h", port=1, url=u) for u in urls],
-            decode=[],
-        )
-        state = build_state(config, table)
-        state.table_refresh_s = 0.05
-        gw = stack.enter_context(
-            serve_in_thread(BodySizeLimit(create_gateway_app(state), 256 * 1024))
-        )
-        yield {"url": gw, "state": state, "engines": engines, "table": table, "model": model}
+    with local_stack(model_dir, table) as s:
+        yield {**s, "table": table, "model": load_model(model_dir)}
 
 
 @pytest.fixture

@@ -1,0 +1,112 @@
+"""Replaying a workload against an OpenAI-compatible endpoint and timing first tokens.
+
+Each request is sent at its arrival time (open loop: a slow server does not slow the
+arrivals), streamed, and timed at the first content chunk. Prompts are token-id lists of
+the workload's lengths (random ids from a seeded generator), which both vLLM and the
+FlowPrefill gateway accept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from flowprefill.request import Request
+
+
+@dataclass(slots=True)
+class Outcome:
+    request_id: str
+    slo_class: str
+    num_tokens: int
+    ttft_slo_s: float
+    sent_s: float
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    status: int = 0
+    error: str | None = None
+
+    @property
+    def met(self) -> bool:
+        return self.ttft_s is not None and self.error is None and self.ttft_s <= self.ttft_slo_s
+
+
+@dataclass(frozen=True, slots=True)
+class SendOptions:
+    url: str
+    model: str
+    max_tokens: int = 4
+    vocab_size: int = 1000
+    class_header: str | None = "x-slo-class"
+    priorities: dict[str, int] | None = None
+    """vLLM ``priority`` per class (lower runs first); None sends no priority field."""
+    timeout_s: float = 600.0
+    seed: int = 0
+
+
+async def _one(
+    client: httpx.AsyncClient, opts: SendOptions, r: Request, prompt: list[int], start: float
+) -> Outcome:
+    out = Outcome(r.request_id, r.slo_class, r.num_tokens, r.ttft_slo_s, r.arrival_s)
+    body: dict[str, object] = {
+        "model": opts.model,
+        "prompt": prompt,
+        "max_tokens": opts.max_tokens,
+        "stream": True,
+        "temperature": 0.0,
+    }
+    if opts.priorities is not None:
+        body["priority"] = opts.priorities.get(r.slo_class, 0)
+    headers = {opts.class_header: r.slo_class} if opts.class_header else {}
+    delay = start + r.arrival_s - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    t0 = time.monotonic()
+    try:
+        async with client.stream(
+            "POST", f"{opts.url}/v1/completions", json=body, headers=headers
+        ) as resp:
+            out.status = resp.status_code
+            if resp.status_code >= 400:
+                await resp.aread()
+                out.error = resp.text[:300]
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line.endswith("[DONE]"):
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    out.error = str(chunk["error"])[:300]
+                    break
+                if out.ttft_s is None and chunk.get("choices"):
+                    out.ttft_s = time.monotonic() - t0
+        out.latency_s = time.monotonic() - t0
+    except httpx.HTTPError as e:
+        out.error = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+async def replay(
+    requests: list[Request], opts: SendOptions, on_done: Callable[[Outcome], None] | None = None
+) -> list[Outcome]:
+    rng = random.Random(opts.seed)
+    prompts = [[rng.randrange(1, opts.vocab_size) for _ in range(r.num_tokens)] for r in requests]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=opts.timeout_s, limits=limits) as client:
+        start = time.monotonic() + 0.2
+
+        async def run(r: Request, p: list[int]) -> Outcome:
+            o = await _one(client, opts, r, p, start)
+            if on_done is not None:
+                on_done(o)
+            return o
+
+        return list(
+            await asyncio.gather(*(run(r, p) for r, p in zip(requests, prompts, strict=True)))
+        )
