@@ -156,6 +156,23 @@ def test_decode_command_and_model_image_volume() -> None:
     assert by_kind(build_pool_children(D, SETTINGS), "ConfigMap") == []
 
 
+def test_kv_handoff_volume_wires_both_roles() -> None:
+    handoff = {"claimName": "kv", "mountPath": "/kv"}
+    p = PREFILL.model_validate({**PREFILL.wire(), "kvHandoff": handoff})
+    d = DECODE.model_validate({**DECODE.wire(), "kvHandoff": handoff})
+    for spec in (p, d):
+        dep = by_kind(build_pool_children(PoolRef("x", "ns", "u", spec), SETTINGS), "Deployment")[0]
+        pod = dep["spec"]["template"]["spec"]
+        assert {"name": "kv", "persistentVolumeClaim": {"claimName": "kv"}} in pod["volumes"]
+        assert {"name": "kv", "mountPath": "/kv"} in pod["containers"][0]["volumeMounts"]
+        command = pod["containers"][0]["command"]
+        if spec.role == "prefill":
+            assert command[-2:] == ["--kv-dir", "/kv"]
+        else:
+            config = json.loads(command[command.index("--kv-transfer-config") + 1])
+            assert config["kv_connector_extra_config"] == {"shared_storage_path": "/kv"}
+
+
 def test_children_are_owned_by_their_pool_and_gateway_by_all_pools() -> None:
     for m in build_pool_children(P, SETTINGS):
         assert m["metadata"]["ownerReferences"] == [

@@ -60,11 +60,21 @@ def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
     )
 
 
-def prefill_command() -> list[str]:
-    return [
+def prefill_command(spec: ServingPoolSpec) -> list[str]:
+    command = [
         "flowprefill", "serve-prefill", "--config", ENGINE_CONFIG_PATH,
         "--port", str(PREFILL_PORT),
     ]  # fmt: skip
+    if spec.kv_handoff:
+        command += ["--kv-dir", spec.kv_handoff.mount_path]
+    return command
+
+
+def kv_transfer_config(spec: ServingPoolSpec) -> dict[str, Any]:
+    config: dict[str, Any] = dict(KV_TRANSFER_CONFIG)
+    if spec.kv_handoff:
+        config["kv_connector_extra_config"] = {"shared_storage_path": spec.kv_handoff.mount_path}
+    return config
 
 
 def decode_command(spec: ServingPoolSpec) -> list[str]:
@@ -72,7 +82,7 @@ def decode_command(spec: ServingPoolSpec) -> list[str]:
         "python", "-m", "vllm.entrypoints.openai.api_server",
         "--model", spec.model.path,
         "--port", str(DECODE_PORT),
-        "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG, separators=(",", ":")),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":")),
         *spec.vllm_args,
     ]  # fmt: skip
 
@@ -127,9 +137,14 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
     model_volumes, model_mounts = _model_volume(spec)
     volumes += model_volumes
     mounts += model_mounts
+    if spec.kv_handoff:
+        volumes.append(
+            {"name": "kv", "persistentVolumeClaim": {"claimName": spec.kv_handoff.claim_name}}
+        )
+        mounts.append({"name": "kv", "mountPath": spec.kv_handoff.mount_path})
     if spec.role == "prefill":
         image = spec.image or settings.prefill_image
-        command = prefill_command()
+        command = prefill_command(spec)
         volumes.append({"name": "engine", "configMap": {"name": engine_configmap_name(pool.name)}})
         mounts.append(
             {"name": "engine", "mountPath": ENGINE_CONFIG_PATH, "subPath": "engine.json",

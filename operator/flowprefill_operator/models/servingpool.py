@@ -75,6 +75,23 @@ class ModelSource(CRModel):
         return self
 
 
+class KVHandoff(CRModel):
+    """A volume shared by the prefill and decode pools of a service for the KV hand-off.
+
+    The engine writes each prompt's KV cache there (``--kv-dir``) and the decode pool's
+    FlowPrefillConnector reads it (``shared_storage_path``): a ReadWriteMany PVC, the same
+    claim in both pools.
+    """
+
+    claim_name: str = Field(max_length=253, description="ReadWriteMany PVC of the service.")
+    mount_path: str = Field(
+        default="/var/lib/flowprefill/kv",
+        pattern=r"^/",
+        max_length=256,
+        description="Where the volume is mounted in both roles.",
+    )
+
+
 class ConfigMapKeyRef(CRModel):
     """A key of a ConfigMap in the pool's namespace."""
 
@@ -199,6 +216,10 @@ class ServingPoolSpec(CRModel):
     )
     engine: EngineSettings | None = Field(
         default=None, description="Prefill engine settings (role=prefill; defaults apply if unset)."
+    )
+    kv_handoff: KVHandoff | None = Field(
+        default=None,
+        description="Shared volume for prefill->decode KV hand-off; unset = no hand-off.",
     )
     vllm_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list,
