@@ -1,0 +1,128 @@
+"""Dockerfiles: pinned, non-root, and every entry point they (and the operator) call exists."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+import shutil
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from flowprefill_operator.builders.gateway import gateway_command
+from flowprefill_operator.builders.pool import decode_command, prefill_command
+from flowprefill_operator.models import ServingPoolSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES = sorted((ROOT / "images").glob("*/Dockerfile"))
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def exec_form(path: Path, word: str) -> list[str]:
+    values = [rest for w, rest in instructions(path) if w == word]
+    assert values, f"{path}: no {word}"
+    parsed = json.loads(values[-1])  # exec form only: no shell in between
+    assert isinstance(parsed, list)
+    return [str(p) for p in parsed]
+
+
+def test_there_is_an_image_per_process() -> None:
+    assert {p.parent.name for p in IMAGES} == {"operator", "prefill", "decode", "gateway"}
+
+
+@pytest.mark.parametrize("path", IMAGES, ids=lambda p: p.parent.name)
+def test_pinned_and_non_root(path: Path) -> None:
+    ins = instructions(path)
+    args = {
+        rest.split("=", 1)[0]: rest.split("=", 1)[1]
+        for w, rest in ins
+        if w == "ARG" and "=" in rest
+    }
+    for word, rest in ins:
+        if word == "FROM":
+            image = rest.split()[0]
+            image = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), ""), image)
+            if image in {r.split()[-1] for w, r in ins if w == "FROM" and " AS " in r.upper()}:
+                continue  # a previous stage
+            assert re.search(r":v?\d+(\.\d+)+", image) or "@sha256:" in image, f"unpinned {image}"
+            assert not image.endswith(":latest")
+        assert not (word == "ADD" and "http" in rest), "no remote ADD"
+    users = [rest for w, rest in ins if w == "USER"]
+    assert users and users[-1].split(":")[0] not in {"0", "root"}, "final stage must not be root"
+    final_stage = path.read_text().rsplit("FROM ", 1)[1]
+    assert "USER 10001" in final_stage
+
+
+def test_operator_image_entry_point() -> None:
+    path = ROOT / "images" / "operator" / "Dockerfile"
+    assert exec_form(path, "ENTRYPOINT") == ["kopf"]
+    cmd = exec_form(path, "CMD")
+    module = cmd[cmd.index("-m") + 1]
+    assert importlib.util.find_spec(module) is not None
+    assert shutil.which("kopf", path=str(Path(sys.executable).parent)) is not None
+    pins = {
+        line.split("==")[0].lower(): line.split("==")[1]
+        for line in (ROOT / "images" / "operator" / "requirements.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for req in extras["operator"]:
+        name, version = req.split("==")
+        assert pins[name.lower()] == version, f"{name}: image {pins.get(name.lower())} != {version}"
+
+
+def _cli_accepts(argv: list[str]) -> None:
+    cli = pytest.importorskip("flowprefill.cli")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["flowprefill"] == "flowprefill.cli:main"
+    args = cli.build_parser(argv).parse_args(argv)  # SystemExit on unknown flags
+    assert args.command == argv[0]
+
+
+SPEC = ServingPoolSpec.model_validate(
+    {"service": "s", "role": "prefill", "model": {"path": "/m"}, "kvHandoff": {"claimName": "kv"}}
+)
+
+
+@pytest.mark.parametrize("name", ["prefill", "gateway"])
+def test_engine_images_and_operator_commands_match_the_cli(name: str) -> None:
+    path = ROOT / "images" / name / "Dockerfile"
+    assert exec_form(path, "ENTRYPOINT") == ["flowprefill"]
+    _cli_accepts(exec_form(path, "CMD"))
+    operator_command = prefill_command(SPEC) if name == "prefill" else gateway_command()
+    assert operator_command[0] == "flowprefill"
+    _cli_accepts(operator_command[1:])
+
+
+def test_decode_image_and_connector() -> None:
+    path = ROOT / "images" / "decode" / "Dockerfile"
+    entry = exec_form(path, "ENTRYPOINT") + exec_form(path, "CMD")
+    assert entry[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    decode = SPEC.model_copy(update={"role": "decode", "engine": None})
+    command = decode_command(decode)
+    assert command[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    for argv in (entry, command):
+        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        module = config["kv_connector_module_path"]
+        source = ROOT / (module.replace(".", "/") + ".py")
+        assert source.exists(), module
+        classes = {
+            n.name for n in ast.walk(ast.parse(source.read_text())) if isinstance(n, ast.ClassDef)
+        }
+        assert config["kv_connector"] in classes
+        assert config["kv_role"] == "kv_consumer"
