@@ -103,7 +103,7 @@ class _Tracked:
     loaded: int = 0
 
 
-class FlowPrefillConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class FlowPrefillConnector(KVConnectorBase_V1):
     """Consumer-only connector; see the module docstring for the full contract."""
 
     _cache_hit_source = CacheHitSource.DISK
@@ -112,7 +112,7 @@ class FlowPrefillConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self,
         vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
+        kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
@@ -124,13 +124,18 @@ class FlowPrefillConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if getattr(model_config, "use_mla", False):
             raise KVHandoffError("FlowPrefillConnector does not support MLA models")
         self._expected = ModelFingerprint.from_config(model_config.hf_text_config)
-        self._model_dtype: torch.dtype = model_config.dtype
+        # Resolved to a torch.dtype by the time connectors are built; the type says str too.
+        dtype = model_config.dtype
+        self._model_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
         self._tracked: dict[str, _Tracked] = {}  # scheduler side
         self._to_load: dict[str, _Tracked] = {}  # scheduler side, allocated, not yet sent
         self._failed_blocks: set[int] = set()  # worker side
         logger.info(
             "FlowPrefillConnector role=%s storage=%s block_size=%d model=%s",
-            role.name, path, self._block_size, self._expected,
+            role.name,
+            path,
+            self._block_size,
+            self._expected,
         )
 
     # ---------------------------------------------------------------- scheduler side
@@ -172,7 +177,9 @@ class FlowPrefillConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tracked.reason = f"{type(exc).__name__}: {exc}"
             logger.warning(
                 "request %s: hand-off %s unusable, recomputing the prompt: %s",
-                req_id, ref.handoff_id, exc,
+                req_id,
+                ref.handoff_id,
+                exc,
             )
         return tracked
 
@@ -185,7 +192,9 @@ class FlowPrefillConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if tracked.end - tracked.start != num_external_tokens:
             logger.warning(
                 "request %s: scheduler accepted %d external tokens, connector offered %d",
-                request.request_id, num_external_tokens, tracked.end - tracked.start,
+                request.request_id,
+                num_external_tokens,
+                tracked.end - tracked.start,
             )
             tracked.end = tracked.start + num_external_tokens
         self._to_load[request.request_id] = tracked
@@ -269,7 +278,12 @@ class FlowPrefillConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
         logger.info(
             "request %s: loaded %d prompt tokens [%d, %d) of hand-off %s into %d layers",
-            spec.req_id, spec.end - spec.start, spec.start, spec.end, spec.handoff_id, len(layers),
+            spec.req_id,
+            spec.end - spec.start,
+            spec.start,
+            spec.end,
+            spec.handoff_id,
+            len(layers),
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:

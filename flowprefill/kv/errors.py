@@ -25,4 +25,6 @@ class KVMismatchError(KVHandoffError, ValueError):
         self.expected = expected
         self.found = found
         suffix = f" ({detail})" if detail else ""
-        super().__init__(f"KV hand-off {field} mismatch: expected {expected!r}, found {found!r}{suffix}")
+        super().__init__(
+            f"KV hand-off {field} mismatch: expected {expected!r}, found {found!r}{suffix}"
+        )

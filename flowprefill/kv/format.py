@@ -296,7 +296,10 @@ class KVReader:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(key, value) of layer ``index`` for tokens [start, end), each [H, end-start, D]."""
         stop = self.header.num_tokens if end is None else end
-        if not 0 <= index < self.header.num_layers or not 0 <= start <= stop <= self.header.num_tokens:
+        if (
+            not 0 <= index < self.header.num_layers
+            or not 0 <= start <= stop <= self.header.num_tokens
+        ):
             raise KVMismatchError(
                 "layer/token range",
                 f"layer < {self.header.num_layers}, tokens <= {self.header.num_tokens}",

@@ -30,9 +30,7 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
         raise ValueError(f"bad token range [{start}, {end})")
     needed = -(-end // block_size)
     if needed > len(block_ids):
-        raise KVMismatchError(
-            "allocated blocks", f">= {needed} for {end} tokens", len(block_ids)
-        )
+        raise KVMismatchError("allocated blocks", f">= {needed} for {end} tokens", len(block_ids))
     tokens = torch.arange(start, end, dtype=torch.int64)
     blocks = torch.as_tensor(list(block_ids), dtype=torch.int64)[tokens // block_size]
     return blocks * block_size + tokens % block_size

@@ -60,9 +60,7 @@ class HandoffRef:
         return cls(handoff_id=check_handoff_id(body.get("handoff_id", "")), num_tokens=num_tokens)
 
 
-def result_params(
-    ref: HandoffRef, loaded_tokens: int, reason: str | None = None
-) -> dict[str, Any]:
+def result_params(ref: HandoffRef, loaded_tokens: int, reason: str | None = None) -> dict[str, Any]:
     """The ``kv_transfer_params`` a finished decode request reports back."""
     body: dict[str, Any] = {
         "handoff_id": ref.handoff_id,

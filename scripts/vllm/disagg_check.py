@@ -63,8 +63,9 @@ def produce(model_dir: Path, store: Path, prompts: list[list[int]]) -> dict[str,
     return {"first": firsts, "timings": timings}
 
 
-def decode(model_dir: Path, store: Path, prompts: list[list[int]], firsts: dict[str, int],
-           max_tokens: int) -> dict[str, Any]:
+def decode(
+    model_dir: Path, store: Path, prompts: list[list[int]], firsts: dict[str, int], max_tokens: int
+) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -117,8 +118,18 @@ def decode(model_dir: Path, store: Path, prompts: list[list[int]], firsts: dict[
             status = (wrong["kv_transfer_params"] or {}).get("flowprefill", {}).get("status")
             checks["wrong_recomputed"] = status == "recomputed" and wrong["num_cached_tokens"] == 0
             checks["wrong_matches_alone"] = wrong["tokens"] == wrong_alone["tokens"]
-        cases.append({"name": name, "prompt_len": len(ids), "checks": checks, "alone": alone,
-                      "first": first, "bare": bare, "poison": poison, "wrong": wrong})
+        cases.append(
+            {
+                "name": name,
+                "prompt_len": len(ids),
+                "checks": checks,
+                "alone": alone,
+                "first": first,
+                "bare": bare,
+                "poison": poison,
+                "wrong": wrong,
+            }
+        )
     return {"startup_s": startup_s, "cases": cases}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from disagg_check import _prompts, produce  # noqa: E402
+from disagg_check import _prompts, produce
 
 
 def _post(url: str, body: dict[str, Any], stream: bool = False) -> Any:
@@ -38,8 +38,9 @@ def _post(url: str, body: dict[str, Any], stream: bool = False) -> Any:
         return events
 
 
-def decode_body(model: str, ids: list[int], first: int, max_tokens: int,
-                handoff_id: str | None, stream: bool) -> dict[str, Any]:
+def decode_body(
+    model: str, ids: list[int], first: int, max_tokens: int, handoff_id: str | None, stream: bool
+) -> dict[str, Any]:
     """The request the gateway sends to decode (see docs/kv.md)."""
     body: dict[str, Any] = {
         "model": model,
@@ -51,8 +52,9 @@ def decode_body(model: str, ids: list[int], first: int, max_tokens: int,
         "stream": stream,
     }
     if handoff_id:
-        body["kv_transfer_params"] = {"flowprefill": {"version": 1, "handoff_id": handoff_id,
-                                                      "num_tokens": len(ids)}}
+        body["kv_transfer_params"] = {
+            "flowprefill": {"version": 1, "handoff_id": handoff_id, "num_tokens": len(ids)}
+        }
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -92,12 +94,26 @@ def main(argv: list[str] | None = None) -> int:
         "kv_connector_extra_config": {"shared_storage_path": str(args.store)},
     }
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(args.model_dir), "--served-model-name", "decode",
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-        "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--host", "127.0.0.1", "--port", str(args.port),
-        "--kv-transfer-config", json.dumps(kv_config),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(args.model_dir),
+        "--served-model-name",
+        "decode",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "2048",
+        "--no-enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--kv-transfer-config",
+        json.dumps(kv_config),
     ]
     log = open(args.log or os.devnull, "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -112,22 +128,38 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             disagg = _post(url, decode_body("decode", ids, first, args.max_tokens - 1, name, False))
             disagg_ms = (time.perf_counter() - t0) * 1e3
-            events = _post(url, decode_body("decode", ids, first, args.max_tokens - 1, name, True),
-                           stream=True)
-            streamed = [t for e in events for c in e.get("choices", []) for t in c.get("token_ids") or []]
-            usage = next((e["usage"] for e in events if e.get("usage")), {})
+            events = _post(
+                url, decode_body("decode", ids, first, args.max_tokens - 1, name, True), stream=True
+            )
+            streamed = [
+                t for e in events for c in e.get("choices", []) for t in c.get("token_ids") or []
+            ]
+            usage: dict[str, Any] = next((e["usage"] for e in events if e.get("usage")), {})
             want = alone["choices"][0]["token_ids"]
             checks = {
                 "nonstream_matches": [first, *disagg["choices"][0]["token_ids"]] == want,
                 "stream_matches": [first, *streamed] == want,
-                "cached_tokens": disagg["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids),
-                "stream_cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens") == len(ids),
-                "status_loaded": (disagg.get("kv_transfer_params") or {}).get("flowprefill", {}).get("status") == "loaded",
+                "cached_tokens": disagg["usage"]["prompt_tokens_details"]["cached_tokens"]
+                == len(ids),
+                "stream_cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens")
+                == len(ids),
+                "status_loaded": (disagg.get("kv_transfer_params") or {})
+                .get("flowprefill", {})
+                .get("status")
+                == "loaded",
             }
-            result["cases"].append({"name": name, "prompt_len": len(ids), "checks": checks,
-                                    "alone": want, "disagg": disagg["choices"][0]["token_ids"],
-                                    "disagg_usage": disagg["usage"], "disagg_ms": disagg_ms,
-                                    "kv_transfer_params": disagg.get("kv_transfer_params")})
+            result["cases"].append(
+                {
+                    "name": name,
+                    "prompt_len": len(ids),
+                    "checks": checks,
+                    "alone": want,
+                    "disagg": disagg["choices"][0]["token_ids"],
+                    "disagg_usage": disagg["usage"],
+                    "disagg_ms": disagg_ms,
+                    "kv_transfer_params": disagg.get("kv_transfer_params"),
+                }
+            )
         result["ok"] = all(all(c["checks"].values()) for c in result["cases"])
     finally:
         proc.terminate()
