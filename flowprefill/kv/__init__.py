@@ -26,14 +26,23 @@ from flowprefill.kv.format import (
     write_handoff,
 )
 from flowprefill.kv.params import HandoffRef, load_end, num_tokens_to_load, result_params
-from flowprefill.kv.transport import KVTransport, SharedDirTransport, make_transport
+from flowprefill.kv.transport import (
+    KVTransport,
+    SharedDirTransport,
+    default_storage_path,
+    make_transport,
+)
 
 CONNECTOR_MODULE = "flowprefill.kv.connector"
 CONNECTOR_CLASS = "FlowPrefillConnector"
 
 
-def kv_transfer_config(storage_path: str, **extra: object) -> dict[str, object]:
-    """The ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)`` value for decode."""
+def kv_transfer_config(storage_path: str | None = None, **extra: object) -> dict[str, object]:
+    """The ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)`` value for decode.
+
+    ``extra`` goes to ``kv_connector_extra_config`` (e.g. ``delete_after_load=True``).
+    """
+    storage_path = storage_path or default_storage_path()
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -61,6 +70,7 @@ __all__ = [
     "SharedDirTransport",
     "build_handoff",
     "check_prompt",
+    "default_storage_path",
     "kv_transfer_config",
     "layers_from_cache",
     "load_end",

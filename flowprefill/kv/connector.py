@@ -6,6 +6,8 @@ Load it in a decode instance with::
         "kv_connector_module_path": "flowprefill.kv.connector", "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"shared_storage_path": "/path/to/handoffs"}}'
 
+(without ``shared_storage_path``: ``$FLOWPREFILL_KV_DIR``, else /tmp/flowprefill-kv).
+
 Contract (vLLM 0.32 ``KVConnectorBase_V1``; one instance runs in the scheduler process,
 one in each worker):
 
@@ -57,7 +59,7 @@ from flowprefill.kv.errors import KVHandoffError, KVMismatchError
 from flowprefill.kv.format import KVHeader, ModelFingerprint, check_prompt
 from flowprefill.kv.paged import head_range, slot_mapping, to_token_major
 from flowprefill.kv.params import HandoffRef, num_tokens_to_load, result_params
-from flowprefill.kv.transport import make_transport
+from flowprefill.kv.transport import default_storage_path, make_transport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,7 +118,7 @@ class FlowPrefillConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        path = extra.get("shared_storage_path") or extra.get("path")
+        path = extra.get("shared_storage_path") or default_storage_path()
         self._transport = make_transport(str(extra.get("transport", "shared_dir")), path=path)
         self._delete_after_load = bool(extra.get("delete_after_load", False))
         self._block_size = int(vllm_config.cache_config.block_size)

@@ -23,6 +23,14 @@ from flowprefill.kv.format import KVHandoff, KVHeader, KVReader, write_handoff
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 SUFFIX = ".kv.safetensors"
+KV_DIR_ENV = "FLOWPREFILL_KV_DIR"
+DEFAULT_KV_DIR = "/tmp/flowprefill-kv"
+
+
+def default_storage_path() -> str:
+    """``$FLOWPREFILL_KV_DIR`` or /tmp/flowprefill-kv: what producer and consumer share when
+    neither is configured explicitly (one machine, or one volume mounted at that path)."""
+    return os.environ.get(KV_DIR_ENV) or DEFAULT_KV_DIR
 
 
 def check_handoff_id(handoff_id: str) -> str:
@@ -103,9 +111,10 @@ class SharedDirTransport:
 
 
 def make_transport(name: str, **options: object) -> KVTransport:
-    """A transport by name; today only ``shared_dir`` (option ``path``)."""
+    """A transport by name; today only ``shared_dir`` (option ``path``, default
+    :func:`default_storage_path`)."""
     if name == "shared_dir":
-        path = options.get("path")
+        path = options.get("path") or default_storage_path()
         if not isinstance(path, str | os.PathLike):
             raise KVHandoffError("shared_dir transport needs a 'path' option")
         return SharedDirTransport(path)

@@ -218,8 +218,17 @@ def test_make_transport(tmp_path: Path) -> None:
     assert isinstance(make_transport("shared_dir", path=str(tmp_path)), SharedDirTransport)
     with pytest.raises(KVHandoffError, match="unknown KV transport"):
         make_transport("nixl")
-    with pytest.raises(KVHandoffError, match="path"):
-        make_transport("shared_dir")
+
+
+def test_default_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowprefill.kv.transport import default_storage_path
+
+    monkeypatch.setenv("FLOWPREFILL_KV_DIR", str(tmp_path / "kv"))
+    assert default_storage_path() == str(tmp_path / "kv")
+    transport = make_transport("shared_dir")
+    assert isinstance(transport, SharedDirTransport) and transport.root == tmp_path / "kv"
+    monkeypatch.delenv("FLOWPREFILL_KV_DIR")
+    assert default_storage_path() == "/tmp/flowprefill-kv"
 
 
 def test_params_round_trip() -> None:
