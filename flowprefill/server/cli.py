@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
     )
     kv_sink = None
     if args.kv_dir:
-        from flowprefill.kv.sink import directory_sink
+        from flowprefill.server.kv_sink import directory_sink
 
-        kv_sink = directory_sink(args.kv_dir, model)
+        kv_sink = directory_sink(args.kv_dir, model.config)
     app = create_app(engine, kv_sink=kv_sink)
     log.info(
         "prefill instance: %s, granularity %s, policy %s, port %d",

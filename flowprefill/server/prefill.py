@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,11 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from flowprefill.engine import PrefillEngine, PrefillResult
 from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
 from flowprefill.server.errors import error_response, install_error_handlers
+from flowprefill.server.kv_sink import KVSink
 
 log = logging.getLogger(__name__)
-
-KVSink = Callable[[str, Any], dict[str, Any] | None]
-"""Hands one request's prefill output to decode; returns the decode-side parameters."""
 
 
 class PrefillRequest(BaseModel):
@@ -120,7 +118,13 @@ def create_app(engine: PrefillEngine, kv_sink: KVSink | None = None) -> FastAPI:
         kv_params = None
         if kv_sink is not None:
             t0 = time.perf_counter()
-            kv_params = await asyncio.to_thread(kv_sink, body.request_id, res.output)
+            try:
+                kv_params = await asyncio.to_thread(
+                    kv_sink, body.request_id, body.prompt_token_ids, res.output
+                )
+            except Exception:
+                # The first token is still good; decode will recompute the prompt.
+                log.exception("KV hand-off of %s failed; decode will recompute", body.request_id)
             log.debug(
                 "KV hand-off of %s took %.1f ms", body.request_id, (time.perf_counter() - t0) * 1e3
             )

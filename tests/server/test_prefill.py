@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 
 from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
@@ -108,3 +109,22 @@ def test_client_disconnect_cancels_the_request(server) -> None:
             time.sleep(0.01)
         metrics = client.get(f"{url}/metrics").text
     assert 'outcome="cancelled"' in metrics
+
+
+def test_kv_hand_off_is_written_for_decode(executor, tmp_path) -> None:
+    from flowprefill.kv import HandoffRef, SharedDirTransport
+    from flowprefill.server.kv_sink import directory_sink
+
+    engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
+    sink = directory_sink(tmp_path, executor.model.config)
+    with serve_in_thread(create_app(engine, kv_sink=sink)) as url:
+        r = httpx.post(f"{url}/v1/prefill", json=body("cmpl-1", 50), timeout=30)
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params == HandoffRef("cmpl-1", 50).to_params()
+    with SharedDirTransport(tmp_path).open("cmpl-1") as reader:
+        handoff = reader.read_all()
+    alone = executor.prefill([body("x", 50)["prompt_token_ids"]])[0]
+    assert handoff.header.num_tokens == 50
+    for (k, v), (k2, v2) in zip(handoff.layers, alone.kv_cache, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
