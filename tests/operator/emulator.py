@@ -372,7 +372,7 @@ class EmulatorThread:
     """Runs a ClusterEmulator + kmock.Server in a thread; ``url`` once started."""
 
     def __init__(self, crd_paths: list[Path]) -> None:
-        self.crds = [yaml.safe_load(p.read_text()) for p in crd_paths]
+        self.crds = [d for p in crd_paths for d in yaml.safe_load_all(p.read_text()) if d]
         self.emulator: ClusterEmulator | None = None
         self.url = ""
         self._ready = threading.Event()

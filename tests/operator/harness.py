@@ -50,10 +50,17 @@ def wait_for(fn: Callable[[], T], timeout_s: float = 30.0, what: str = "") -> T:
 class OperatorProcess:
     """``python -m kopf run -m flowprefill_operator.handlers -A`` with a liveness endpoint."""
 
-    def __init__(self, kubeconfig: Path, log_path: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        log_path: Path,
+        env: dict[str, str],
+        peering: str | None = None,
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
         self.env = env
+        self.peering = peering
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -64,9 +71,16 @@ class OperatorProcess:
     def start(self) -> OperatorProcess:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.env}
         cmd = [
-            sys.executable, "-m", "kopf", "run", "-m", "flowprefill_operator.handlers",
-            "--all-namespaces", "--standalone", f"--liveness={self.probe_url}",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "kopf",
+            "run",
+            "-m",
+            "flowprefill_operator.handlers",
+            "--all-namespaces",
+            f"--liveness={self.probe_url}",
+            f"--peering={self.peering}" if self.peering else "--standalone",
+        ]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: self.probe() is not None, 60, "the operator's liveness probe")
