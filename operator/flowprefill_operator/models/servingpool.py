@@ -55,7 +55,9 @@ class ModelSource(CRModel):
     )
 
     path: str = Field(
-        pattern=r"^/", max_length=1024, description="Model directory as seen inside the container."
+        pattern=r"^(/.*|[a-z0-9][-a-z0-9.]*)$",
+        max_length=1024,
+        description="Model directory inside the container, or an engine built-in (tiny-llama).",
     )
     name: str | None = Field(
         default=None,
