@@ -14,9 +14,13 @@ FAMILIES = ("llama", "qwen2", "qwen3-moe")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _two_threads() -> None:
-    # The machine has 2 cores; more threads only add contention.
-    torch.set_num_threads(2)
+def _one_torch_thread() -> Iterator[None]:
+    # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine
+    # OpenMP workers spin-waiting for a busy core make every op many times slower.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -54,12 +54,12 @@ def test_batched_prefill_equals_each_request_alone(
         assert_close(got, alone)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7, 50])
+@pytest.mark.parametrize(("chunk_size", "lengths"), [(1, [3, 5, 1]), (7, LENGTHS), (50, LENGTHS)])
 def test_chunked_prefill_equals_unchunked(
-    tiny_model: PreTrainedModel, make_executor: MakeExecutor, chunk_size: int
+    tiny_model: PreTrainedModel, make_executor: MakeExecutor, chunk_size: int, lengths: list[int]
 ) -> None:
     plain = make_executor(tiny_model)
-    prompts = random_prompts(LENGTHS, plain.vocab_size, seed=12)
+    prompts = random_prompts(lengths, plain.vocab_size, seed=12)
     want = plain.prefill(prompts) + plain.prefill(prompts[2:3])
     plain.close()
     chunked = make_executor(tiny_model, chunk_size=chunk_size)

@@ -1,0 +1,115 @@
+"""Cost of the preemption checkpoints: prefill throughput with checks vs without hooks.
+
+Same inputs, interleaved repeats in ABBA order (so slow drift of the machine hits both
+arms equally): arm ``none`` has no hooks and no active task; arm ``operator`` has the
+operator-granularity hooks installed and an active ``TaskControl`` that counts every
+checkpoint (never signalled). Reports tokens/s per arm and the slowdown, from the median of
+the per-pair time ratios (goal: under 2%).
+
+    python benchmarks/checkpoint_overhead.py              # demo-llama, 4 × 1024 tokens
+    python benchmarks/checkpoint_overhead.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import PreTrainedModel
+
+from flowprefill.executor.preemption import TaskControl
+from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.models import build_named, load_model, model_names
+
+ARMS = ("none", "operator")
+
+
+def load(name_or_path: str) -> PreTrainedModel:
+    if name_or_path in model_names():
+        return build_named(name_or_path)
+    return load_model(name_or_path)
+
+
+def timed_prefill(model: PreTrainedModel, arm: str, prompts: list[torch.Tensor]) -> float:
+    """One prefill in ``arm``; hooks are installed before and removed after the timing."""
+    with PreemptibleExecutor(model, granularity=arm) as executor:
+        control = TaskControl(arm) if arm != "none" else None
+        start = time.perf_counter()
+        executor.run(prompts, control)
+        elapsed = time.perf_counter() - start
+        if control is not None:  # the checks really ran
+            assert control.num_checkpoints == executor.expected_checkpoints(
+                [len(p) for p in prompts]
+            )
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="demo-llama", help="built-in name or local path")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per prompt")
+    parser.add_argument("--batch", type=int, default=4, help="prompts per prefill")
+    parser.add_argument("--repeats", type=int, default=12, help="ABBA rounds (4 runs each)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--quick", action="store_true", help="1 × 1024 tokens, 3 rounds")
+    args = parser.parse_args()
+    if args.quick:
+        args.batch, args.repeats = 1, 3
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = Console()
+    model = load(args.model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, model.config.vocab_size, (args.tokens,), generator=gen)
+        for _ in range(args.batch)
+    ]
+    num_tokens = args.tokens * args.batch
+    console.print(
+        f"model {args.model}, {args.batch} × {args.tokens} tokens, "
+        f"{torch.get_num_threads()} threads, {args.repeats} ABBA rounds"
+    )
+    for arm in ARMS:  # warm-up: allocator, oneDNN primitive caches
+        timed_prefill(model, arm, prompts)
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    ratios: list[float] = []
+    for round_index in range(args.repeats):
+        order = ARMS if round_index % 2 == 0 else ARMS[::-1]
+        pair: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        for arm in (*order, *order[::-1]):  # A B B A
+            pair[arm].append(timed_prefill(model, arm, prompts))
+        for arm in ARMS:
+            times[arm].extend(pair[arm])
+        ratios.append(sum(pair["operator"]) / sum(pair["none"]))
+        console.print(
+            f"[dim]round {round_index + 1}: none {statistics.fmean(pair['none']):.3f} s, "
+            f"operator {statistics.fmean(pair['operator']):.3f} s[/dim]"
+        )
+    table = Table(title="Prefill throughput with and without preemption checkpoints")
+    for column in ("arm", "runs", "median s", "min s", "tokens/s (median)"):
+        table.add_column(column, justify="right")
+    for arm in ARMS:
+        median = statistics.median(times[arm])
+        table.add_row(
+            arm,
+            str(len(times[arm])),
+            f"{median:.3f}",
+            f"{min(times[arm]):.3f}",
+            f"{num_tokens / median:,.0f}",
+        )
+    console.print(table)
+    slowdown = (statistics.median(ratios) - 1) * 100
+    best = (min(times["operator"]) / min(times["none"]) - 1) * 100
+    spread = statistics.pstdev(ratios) * 100
+    console.print(
+        f"slowdown with checkpoints: {slowdown:+.2f}% (median of per-round ratios, "
+        f"spread ±{spread:.1f}%), {best:+.2f}% comparing best runs"
+    )
+
+
+if __name__ == "__main__":
+    main()
