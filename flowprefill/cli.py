@@ -52,7 +52,14 @@ def _bench() -> Command:
     return bench_cli.add_arguments, bench_cli.run
 
 
+def _up() -> Command:
+    from flowprefill import up
+
+    return up.add_arguments, up.run
+
+
 COMMANDS: dict[str, tuple[str, Callable[[], Command]]] = {
+    "up": ("Gateway + prefill + decode instances on this machine, tiny built-in model", _up),
     "demo": ("FlowPrefill vs FCFS on a tiny local model: per-class TTFT attainment", _demo),
     "profile": ("Fit the TTFT predictor on this engine and hardware", _profile),
     "simulate": ("Goodput of every policy at GPU scale (discrete-event simulator)", _simulate),

@@ -213,6 +213,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
                         ttft_budget_ms=(job.deadline_s - now) * 1e3,
                         slo_class=job.slo_name,
                         headers=job.forward_headers(now),
+                        hand_off_kv=state.decode_pool is not None and job.body.output_budget > 1,
                     ),
                 )
                 state.prefill_pool.mark_success(inst)

