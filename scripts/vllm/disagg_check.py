@@ -64,7 +64,12 @@ def produce(model_dir: Path, store: Path, prompts: list[list[int]]) -> dict[str,
 
 
 def decode(
-    model_dir: Path, store: Path, prompts: list[list[int]], firsts: dict[str, int], max_tokens: int
+    model_dir: Path,
+    store: Path,
+    prompts: list[list[int]],
+    firsts: dict[str, int],
+    max_tokens: int,
+    prefix_caching: bool = False,
 ) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -77,12 +82,13 @@ def decode(
         dtype="float32",
         enforce_eager=True,
         max_model_len=2048,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         distributed_executor_backend="uni",
         kv_transfer_config=kv_transfer_config(str(store)),
         seed=0,
     )
     startup_s = time.perf_counter() - t0
+    block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
 
     def run(ids: list[int], n: int, handoff: str | None) -> dict[str, Any]:
         extra = None if handoff is None else {"kv_transfer_params": HandoffRef(handoff).to_params()}
@@ -96,6 +102,11 @@ def decode(
             "ms": (time.perf_counter() - t) * 1e3,
         }
 
+    if prefix_caching:
+        return {
+            "startup_s": startup_s,
+            "cases": _prefix_cases(run, prompts, firsts, max_tokens, block_size),
+        }
     cases: list[dict[str, Any]] = []
     for i, ids in enumerate(prompts):
         name = f"p{i}"
@@ -133,6 +144,37 @@ def decode(
     return {"startup_s": startup_s, "cases": cases}
 
 
+def _prefix_cases(
+    run: Any, prompts: list[list[int]], firsts: dict[str, int], max_tokens: int, block_size: int
+) -> list[dict[str, Any]]:
+    """With vLLM's prefix cache on: ``alone`` leaves the prompt's full blocks cached, so the
+    hand-off request gets a local hit and the connector must load only the tail after it."""
+    cases = []
+    for i, ids in enumerate(prompts):
+        name = f"p{i}"
+        alone = run(ids, max_tokens, None)
+        first = run([*ids, firsts[name]], max_tokens - 1, name)
+        local = len(ids) // block_size * block_size
+        loaded = (first["kv_transfer_params"] or {}).get("flowprefill", {}).get("loaded_tokens")
+        checks = {
+            "first_token_matches": alone["tokens"][0] == firsts[name],
+            "first_matches": [firsts[name], *first["tokens"]] == alone["tokens"],
+            "first_all_prompt_cached": first["num_cached_tokens"] == len(ids),
+            "loaded_only_tail": loaded == len(ids) - local,
+        }
+        cases.append(
+            {
+                "name": name,
+                "prompt_len": len(ids),
+                "checks": checks,
+                "alone": alone,
+                "first": first,
+                "local_hit_tokens": local,
+            }
+        )
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", type=Path, required=True)
@@ -140,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="5,130,300", help="prompt lengths, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-caching", action="store_true", help="vLLM prefix cache on")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -148,7 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = _prompts(lengths, int(config["vocab_size"]), args.seed)
     produced = produce(args.model_dir, args.store, prompts)
-    result = decode(args.model_dir, args.store, prompts, produced["first"], args.max_tokens)
+    result = decode(
+        args.model_dir,
+        args.store,
+        prompts,
+        produced["first"],
+        args.max_tokens,
+        args.prefix_caching,
+    )
     result["producer_timings_ms"] = produced["timings"]
     result["ok"] = all(all(c["checks"].values()) for c in result["cases"])
     text = json.dumps(result, indent=1, default=str)

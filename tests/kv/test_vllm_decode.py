@@ -110,6 +110,23 @@ def test_offline_reports_loaded_tokens(offline: dict[str, Any]) -> None:
         }
 
 
+def test_offline_with_prefix_cache_loads_only_the_tail(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's prefix cache holds the prompt's full blocks: the connector starts after them."""
+    args = [
+        "--model-dir",
+        str(model_dir),
+        "--store",
+        str(tmp_path / "store"),
+        "--lengths",
+        "5,130,300",
+        "--prefix-caching",
+    ]
+    result = _run("disagg_check.py", args, tmp_path, timeout_s=240)
+    failed = [c for c in result["cases"] if not all(c["checks"].values())]
+    assert not failed, json.dumps(failed, indent=1, default=str)[:4000]
+    assert [c["local_hit_tokens"] for c in result["cases"]] == [0, 128, 256]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
