@@ -108,6 +108,8 @@ def test_prefill_command_config_and_probes() -> None:
         "tp_size": 1,
         "device": "cuda",
         "dtype": "bfloat16",
+        "batching": "slo-aware",
+        "num_threads": None,
     }
     svc = by_kind(children, "Service")[0]
     assert svc["spec"]["clusterIP"] == "None"

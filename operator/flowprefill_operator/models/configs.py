@@ -1,94 +1,22 @@
 """Files the operator writes into ConfigMaps for the engine and the gateway.
 
-These are contracts with other processes (snake_case JSON, documented in docs/operator.md):
-``engine.json`` for ``flowprefill serve-prefill``, ``gateway.json`` and ``slo-table.json``
-for ``flowprefill serve-gateway``. The gateway reloads the SLO table when the file changes.
+The formats belong to the processes that read them, so they are defined once, in the
+engine package: ``engine.json`` is :class:`flowprefill.config.EngineConfig` (read by
+``flowprefill serve-prefill``); ``gateway.json`` and ``slo-table.json`` are
+:mod:`flowprefill.contracts` (read by ``flowprefill serve-gateway``, which reloads the SLO
+table when the file changes). Documented in docs/operator.md.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from flowprefill.config import EngineConfig
+from flowprefill.contracts import Endpoint, GatewayConfig, SLOTable, SLOTableClass, SLOTableMatch
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from .servingpool import Granularity, Policy
-
-
-class _Contract(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EngineConfig(_Contract):
-    """``/etc/flowprefill/engine.json`` of a prefill instance."""
-
-    model_path: str = Field(description="Model directory inside the container.")
-    granularity: Granularity = Field(description="Preemption granularity.")
-    batch_token_budget: int = Field(description="Token budget of one prefill batch.")
-    chunk_size: int | None = Field(description="Chunked-prefill size in tokens; null = off.")
-    policy: Policy = Field(description="Scheduling policy.")
-    predictor_path: str | None = Field(description="TTFT profile JSON; null = built-in default.")
-    tp_size: int = Field(description="Tensor-parallel degree.")
-    device: str = Field(description="Torch device (cuda or cpu).")
-    dtype: str = Field(description="Weights and activations dtype.")
-
-
-class Endpoint(_Contract):
-    """One pool behind the gateway (a headless Service: its DNS name lists every pod)."""
-
-    pool: str = Field(description="ServingPool name.")
-    host: str = Field(description="Service DNS name.")
-    port: int = Field(description="Port of the engine's HTTP server.")
-    url: str = Field(description="http://host:port.")
-
-
-class GatewayConfig(_Contract):
-    """``/etc/flowprefill/gateway.json`` of a service's gateway."""
-
-    version: Literal[1] = Field(default=1, description="Format version.")
-    service: str = Field(description="Service name (the pools' spec.service).")
-    model_name: str = Field(description="Model name clients send in `model`.")
-    prefill: list[Endpoint] = Field(description="Prefill pools.")
-    decode: list[Endpoint] = Field(description="Decode pools.")
-
-
-class SLOTableMatch(_Contract):
-    """Match rules of one class (see the SLOClass CRD for semantics)."""
-
-    headers: dict[str, str] = Field(default_factory=dict, description="Header name -> value.")
-    models: list[str] = Field(default_factory=list, description="Model names.")
-    paths: list[str] = Field(default_factory=list, description="Path prefixes.")
-    api_key_hashes: list[str] = Field(default_factory=list, description="SHA-256 of API keys.")
-
-
-class SLOTableClass(_Contract):
-    """One SLO class as the gateway sees it."""
-
-    name: str = Field(description="SLOClass name; also the value of the x-slo-class header.")
-    task_type: str = Field(description="text, image, search, file or other.")
-    ttft_slo_ms: int = Field(description="TTFT target in ms; deadline = arrival + this.")
-    tpot_slo_ms: int | None = Field(default=None, description="TPOT target in ms, if any.")
-    priority: int = Field(description="Higher is more urgent; negative = sheddable.")
-    attainment_target: float = Field(description="Target fraction of requests meeting the TTFT.")
-    match: SLOTableMatch = Field(default_factory=SLOTableMatch, description="Match rules.")
-
-
-class SLOTable(_Contract):
-    """``/etc/flowprefill/slo/slo-table.json``: classes in the order the gateway tries them.
-
-    Classification: an ``x-slo-class`` header naming a class wins; otherwise the first class
-    (priority descending, then name) whose non-empty rules all match; otherwise
-    ``default_class``; if that is null the request is refused (400).
-    """
-
-    version: Literal[1] = Field(default=1, description="Format version.")
-    default_class: str | None = Field(description="Class for requests matching no rule.")
-    classes: list[SLOTableClass] = Field(description="Classes, most urgent first.")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> SLOTable:
-        names = [c.name for c in self.classes]
-        if len(set(names)) != len(names):
-            raise ValueError("class names must be unique")
-        if self.default_class is not None and self.default_class not in names:
-            raise ValueError(f"default_class {self.default_class!r} is not a class")
-        return self
+__all__ = [
+    "Endpoint",
+    "EngineConfig",
+    "GatewayConfig",
+    "SLOTable",
+    "SLOTableClass",
+    "SLOTableMatch",
+]
