@@ -29,9 +29,9 @@ pytestmark = [
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "vllm"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random float32 Llama that vLLM's CPU backend accepts (head_dim 32)."""
+def _save_tiny(family: str, root: Path) -> Path:
+    """A tiny random float32 model that vLLM's CPU backend accepts (head_dim 32; the
+    project's ``tiny`` size has head_dim 16, which the CPU attention kernels lack)."""
     from flowprefill.models import ModelSize, build_model, save_model_dir
 
     size = ModelSize(
@@ -41,9 +41,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=2048,
+        moe_intermediate_size=64,
     )
-    path = tmp_path_factory.mktemp("model") / "tiny-llama-hd32"
-    return save_model_dir(build_model("llama", size, seed=0), path)
+    return save_model_dir(build_model(family, size, seed=0), root / f"tiny-{family}-hd32")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_tiny("llama", tmp_path_factory.mktemp("model"))
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -125,6 +130,15 @@ def test_offline_with_prefix_cache_loads_only_the_tail(model_dir: Path, tmp_path
     failed = [c for c in result["cases"] if not all(c["checks"].values())]
     assert not failed, json.dumps(failed, indent=1, default=str)[:4000]
     assert [c["local_hit_tokens"] for c in result["cases"]] == [0, 128, 256]
+
+
+def test_offline_moe_family(tmp_path: Path) -> None:
+    """Qwen3-MoE (q/k norms before RoPE, expert MLPs): same exactness, all prompt loaded."""
+    model = _save_tiny("qwen3-moe", tmp_path)
+    args = ["--model-dir", str(model), "--store", str(tmp_path / "store"), "--lengths", "5,300"]
+    result = _run("disagg_check.py", args, tmp_path, timeout_s=240)
+    failed = [c for c in result["cases"] if not all(c["checks"].values())]
+    assert not failed, json.dumps(failed, indent=1, default=str)[:4000]
 
 
 def _free_port() -> int:
