@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from flowprefill.errors import InvalidRequestError
-from flowprefill.executor.checkpoints import check_granularity, install_checkpoints
+from flowprefill.executor.checkpoints import check_granularity, describe, install_checkpoints
 from flowprefill.executor.device import (
     DeviceBackend,
     SyncMode,
@@ -109,8 +109,7 @@ class PreemptibleExecutor:
 
     @property
     def placed_checkpoints(self) -> list[str]:
-        from flowprefill.executor.checkpoints import describe
-
+        """Labels of the installed checkpoints in firing order (one forward)."""
         return describe(self._handle.placed)
 
     def expected_checkpoints(self, prompt_lengths: Sequence[int]) -> int:
@@ -240,15 +239,16 @@ class PreemptibleExecutor:
         self, batch: PackedBatch, cache: DynamicCache, logits: list[torch.Tensor]
     ) -> list[PrefillOutput]:
         layer_kv = [_full_kv(layer, batch.num_tokens) for layer in cache.layers]
+        # One device→host transfer for all first tokens (each .item() would be a sync).
+        first_tokens = torch.stack(logits).argmax(dim=-1).tolist()
         outputs = []
         for request, (start, length) in enumerate(zip(batch.starts, batch.lengths, strict=True)):
             end = start + length
             kv = [(k[0, :, start:end, :], v[0, :, start:end, :]) for k, v in layer_kv]
-            row = logits[request]
             outputs.append(
                 PrefillOutput(
-                    first_token_id=int(torch.argmax(row)),
-                    logits=row,
+                    first_token_id=int(first_tokens[request]),
+                    logits=logits[request],
                     kv_cache=kv,
                     num_prompt_tokens=length,
                 )
