@@ -97,6 +97,13 @@ FAMILY_LAYOUTS: dict[str, Layout] = {
 
 # Name-based fallback for families not in the table (GPT-NeoX, Phi, Falcon, Mixtral's
 # older ``block_sparse_moe``, ...). Each boundary tries the common spellings.
+_OUT_PROJ_NAMES = (
+    "self_attn.o_proj",
+    "self_attn.dense",  # Phi
+    "attention.dense",  # GPT-NeoX
+    "self_attention.dense",  # Falcon, Bloom
+    "attn.c_proj",  # GPT-2
+)
 _FALLBACK = Layout(
     attention=(
         Boundary(
@@ -109,15 +116,8 @@ _FALLBACK = Layout(
                 "attn.c_attn",
             ),
         ),
-        Boundary(
-            "attn",
-            ("self_attn.o_proj", "self_attn.dense", "attention.dense", "self_attention.dense"),
-            pre=True,
-        ),
-        Boundary(
-            "o_proj",
-            ("self_attn.o_proj", "self_attn.dense", "attention.dense", "self_attention.dense"),
-        ),
+        Boundary("attn", _OUT_PROJ_NAMES, pre=True),
+        Boundary("o_proj", _OUT_PROJ_NAMES),
     ),
     mlp_variants=(
         _MOE_MLP,
@@ -127,9 +127,10 @@ _FALLBACK = Layout(
         ),
         (
             Boundary(
-                "gate_up_proj", ("mlp.gate_up_proj", "mlp.up_proj", "mlp.dense_h_to_4h", "mlp.fc1")
+                "gate_up_proj",
+                ("mlp.gate_up_proj", "mlp.up_proj", "mlp.dense_h_to_4h", "mlp.fc1", "mlp.c_fc"),
             ),
-            Boundary("down_proj", ("mlp.down_proj", "mlp.dense_4h_to_h", "mlp.fc2")),
+            Boundary("down_proj", ("mlp.down_proj", "mlp.dense_4h_to_h", "mlp.fc2", "mlp.c_proj")),
         ),
     ),
 )

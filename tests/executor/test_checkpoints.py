@@ -195,3 +195,63 @@ def test_expected_per_forward_table_matches_tiny_shape(
 ) -> None:
     for model in tiny_models.values():
         assert model.config.num_hidden_layers == 2
+
+
+def _other_family(name: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, MixtralConfig
+
+    small = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+    configs = {
+        "gpt2": GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0
+        ),
+        "gpt_neox": GPTNeoXConfig(num_hidden_layers=2, vocab_size=64, **small),
+        "mixtral": MixtralConfig(
+            num_hidden_layers=2, num_key_value_heads=1, vocab_size=64, num_local_experts=4, **small
+        ),
+    }
+    return AutoModelForCausalLM.from_config(configs[name]).eval()
+
+
+@pytest.mark.parametrize(
+    ("family", "first_five"),
+    [
+        (
+            "gpt2",
+            [
+                "h.0.attn.c_attn",
+                "h.0.attn.c_proj",
+                "h.0.attn.c_proj",
+                "h.0.mlp.c_fc",
+                "h.0.mlp.c_proj",
+            ],
+        ),
+        (
+            "gpt_neox",
+            [
+                "layers.0.attention.query_key_value",
+                "layers.0.attention.dense",
+                "layers.0.attention.dense",
+                "layers.0.mlp.dense_h_to_4h",
+                "layers.0.mlp.dense_4h_to_h",
+            ],
+        ),
+        (
+            "mixtral",
+            [
+                "layers.0.self_attn.v_proj",
+                "layers.0.self_attn.o_proj",
+                "layers.0.self_attn.o_proj",
+                "layers.0.mlp.gate",
+                "layers.0.mlp.experts",
+            ],
+        ),
+    ],
+)
+def test_other_hf_families(family: str, first_five: list[str]) -> None:
+    """Mixtral is in the family table; GPT-2 and GPT-NeoX go through the name fallback."""
+    model = _other_family(family)
+    placed = plan_checkpoints(model, "operator")
+    assert [p.module_path.split(".", 1)[1] for p in placed[:5]] == first_five
+    assert _count_forward(model, "operator") == 10
+    assert _count_forward(model, "layer") == 2
