@@ -79,9 +79,7 @@ class TaskControl:
             self._parked = True
             self._resume.clear()
             self._cond.notify_all()
-        self._resume.wait()
-        with self._cond:
-            self._parked = False
+        self._resume.wait()  # resume() (or cancel()) already marked us as not parked
         if self.cancelled:
             raise TaskCancelledError(f"{self.name} was cancelled while preempted")
 
@@ -128,12 +126,18 @@ class TaskControl:
                 return  # it is unwinding or gone; its completion event is on its way
             if not self._parked:
                 raise RuntimeError(f"{self.name} is not parked")
-        self._resume.set()
+            # Cleared here, not when the task thread wakes: the scheduler may preempt the
+            # task again before that thread is scheduled, and that must be a new signal
+            # (the task parks at its next checkpoint), not "already preempted".
+            self._parked = False
+            self._resume.set()
 
     def cancel(self) -> None:
         """Ask the task to stop at its next checkpoint (or now, if it is parked)."""
-        self.cancelled = True
-        self._resume.set()
+        with self._cond:
+            self.cancelled = True
+            self._parked = False
+            self._resume.set()
 
     @property
     def parked(self) -> bool:
