@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -200,7 +201,7 @@ def test_expected_per_forward_table_matches_tiny_shape(
 def _other_family(name: str) -> nn.Module:
     from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, MixtralConfig
 
-    small = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+    small: dict[str, Any] = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
     configs = {
         "gpt2": GPT2Config(
             n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0
