@@ -45,7 +45,7 @@ def make_connector(store: Path, **extra: Any) -> Any:
 
     from flowprefill.kv.connector import FlowPrefillConnector
 
-    config = SimpleNamespace(
+    config: Any = SimpleNamespace(
         kv_transfer_config=KVTransferConfig(
             kv_connector="FlowPrefillConnector",
             kv_role="kv_consumer",
@@ -56,7 +56,9 @@ def make_connector(store: Path, **extra: Any) -> Any:
             hf_text_config=hf_config(), dtype=torch.float32, use_mla=False
         ),
     )
-    return FlowPrefillConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config=None)
+    # stand-ins: the scheduler side reads only these attributes
+    no_cache_config: Any = None
+    return FlowPrefillConnector(config, KVConnectorRole.SCHEDULER, no_cache_config)
 
 
 def request(req_id: str, ids: list[int], params: dict[str, Any] | None) -> SimpleNamespace:
