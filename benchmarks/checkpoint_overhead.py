@@ -64,7 +64,7 @@ def main() -> None:
         args.batch, args.repeats = 1, 3
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = Console()
+    console = Console(width=140)
     model = load(args.model)
     gen = torch.Generator().manual_seed(0)
     prompts = [

@@ -13,6 +13,7 @@ layer / operator ratios (the paper reports operator level 3.5–4.2× lower).
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import threading
@@ -81,6 +82,37 @@ def one_prefill(
     return blocking_ms, missed, time.perf_counter() - start
 
 
+class Stopwatch(TaskControl):
+    """Records when each checkpoint is reached (never signalled)."""
+
+    def __init__(self) -> None:
+        super().__init__("stopwatch")
+        self.times_s: list[float] = []
+
+    def check(self) -> None:
+        self.times_s.append(time.perf_counter())
+        super().check()
+
+
+def segment_model(
+    executor: PreemptibleExecutor, prompt: torch.Tensor, runs: int = 5
+) -> tuple[float, float]:
+    """Expected blocking for a signal at a uniformly random moment, from the durations d of
+    the segments between checkpoints of uninterrupted prefills (median over ``runs`` per
+    segment): mean Σd²/(2Σd) (a random moment falls in long segments more often), and the
+    longest segment (the worst case)."""
+    per_run: list[list[float]] = []
+    for _ in range(runs):
+        watch = Stopwatch()
+        start = time.perf_counter()
+        executor.run([prompt], watch)
+        marks = [start, *watch.times_s, time.perf_counter()]
+        per_run.append([b - a for a, b in itertools.pairwise(marks)])
+    segments = [statistics.median(column) for column in zip(*per_run, strict=True)]
+    expected = sum(d * d for d in segments) / (2 * sum(segments))
+    return expected * 1e3, max(segments) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo-llama", help="built-in name or local path")
@@ -97,7 +129,7 @@ def main() -> None:
         args.tokens, args.samples = min(args.tokens, 1024), 40
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = Console()
+    console = Console(width=140)
     model = load(args.model)
     rng = random.Random(args.seed)
     prompt = torch.randint(
@@ -108,6 +140,11 @@ def main() -> None:
         f"signals every U(0, {args.max_gap_ms:g}) ms"
     )
     samples = {g: Samples() for g in args.granularities}
+    predicted: dict[str, tuple[float, float]] = {}
+    for granularity in args.granularities:
+        with PreemptibleExecutor(model, granularity=granularity, chunk_size=args.chunk_size) as ex:
+            ex.run([prompt])  # warm-up: first-call kernel setup would skew the segments
+            predicted[granularity] = segment_model(ex, prompt)
     while any(len(s.blocking_ms) < args.samples for s in samples.values()):
         for granularity, bucket in samples.items():
             if len(bucket.blocking_ms) >= args.samples:
@@ -122,7 +159,7 @@ def main() -> None:
             bucket.prefill_s.append(wall_s)
         done = {g: len(s.blocking_ms) for g, s in samples.items()}
         console.print(f"[dim]samples so far: {done}[/dim]")
-    report(console, samples, args.samples)
+    report(console, samples, args.samples, predicted)
 
 
 def summary(values: list[float]) -> tuple[float, float, float, float]:
@@ -131,7 +168,12 @@ def summary(values: list[float]) -> tuple[float, float, float, float]:
     return statistics.fmean(values), statistics.median(values), p99, ordered[-1]
 
 
-def report(console: Console, samples: dict[str, Samples], limit: int) -> None:
+def report(
+    console: Console,
+    samples: dict[str, Samples],
+    limit: int,
+    predicted: dict[str, tuple[float, float]],
+) -> None:
     table = Table(title="Preemption blocking time (signal → ACK)")
     columns = (
         "granularity",
@@ -142,6 +184,7 @@ def report(console: Console, samples: dict[str, Samples], limit: int) -> None:
         "max ms",
         "prefills",
         "wall s",
+        "model mean/max ms",
     )
     for column in columns:
         table.add_column(column, justify="right")
@@ -159,9 +202,14 @@ def report(console: Console, samples: dict[str, Samples], limit: int) -> None:
             f"{worst:.2f}",
             str(bucket.num_prefills),
             f"{statistics.median(bucket.prefill_s):.2f}",
+            "{:.2f} / {:.2f}".format(*predicted[granularity]),
         )
     console.print(table)
-    console.print("[dim]wall s: median prefill wall time including the preemptions[/dim]")
+    console.print(
+        "[dim]wall s: median prefill wall time including the preemptions. model: blocking "
+        "predicted from one uninterrupted prefill's checkpoint-to-checkpoint times "
+        "(mean Σd²/2Σd, max = longest segment)[/dim]"
+    )
     if "operator" in stats and "layer" in stats:
         op, layer = stats["operator"], stats["layer"]
         console.print(
