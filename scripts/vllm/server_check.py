@@ -4,7 +4,8 @@ Produces hand-offs with a reference HF prefill (float32), starts
 ``python -m vllm.entrypoints.openai.api_server`` as a consumer, and sends
 ``POST /v1/completions`` with ``prompt = prompt_ids + [first_token]`` and
 ``kv_transfer_params`` — non-streaming and streaming — comparing with the same server
-generating from the bare prompt alone. Prints one JSON object; exit 0 when all checks pass.
+generating from the bare prompt alone. The server runs with its defaults (prefix caching
+on), as the gateway's decode pool would. Prints one JSON object; exit 0 when all checks pass.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="5,300")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--port", type=int, default=18765)
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM's (CPU: 128)")
     parser.add_argument("--log", type=Path, default=None, help="server log file")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -106,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         "--enforce-eager",
         "--max-model-len",
         "2048",
-        "--no-enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--host",
         "127.0.0.1",
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
             usage: dict[str, Any] = next((e["usage"] for e in events if e.get("usage")), {})
             want = alone["choices"][0]["token_ids"]
+            tail = len(ids) - len(ids) // args.block_size * args.block_size
             checks = {
                 "nonstream_matches": [first, *disagg["choices"][0]["token_ids"]] == want,
                 "stream_matches": [first, *streamed] == want,
@@ -143,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                 == len(ids),
                 "stream_cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens")
                 == len(ids),
-                "status_loaded": (disagg.get("kv_transfer_params") or {})
-                .get("flowprefill", {})
-                .get("status")
-                == "loaded",
+                # Prefix caching is on (the server default): ``alone`` left the prompt's
+                # full blocks cached, so the connector loads only the tokens after them.
+                "loaded_tail": (disagg.get("kv_transfer_params") or {}).get("flowprefill")
+                == {"handoff_id": name, "loaded_tokens": tail, "status": "loaded"},
             }
             result["cases"].append(
                 {

@@ -115,23 +115,6 @@ def test_offline_reports_loaded_tokens(offline: dict[str, Any]) -> None:
         }
 
 
-def test_offline_with_prefix_cache_loads_only_the_tail(model_dir: Path, tmp_path: Path) -> None:
-    """vLLM's prefix cache holds the prompt's full blocks: the connector starts after them."""
-    args = [
-        "--model-dir",
-        str(model_dir),
-        "--store",
-        str(tmp_path / "store"),
-        "--lengths",
-        "5,130,300",
-        "--prefix-caching",
-    ]
-    result = _run("disagg_check.py", args, tmp_path, timeout_s=240)
-    failed = [c for c in result["cases"] if not all(c["checks"].values())]
-    assert not failed, json.dumps(failed, indent=1, default=str)[:4000]
-    assert [c["local_hit_tokens"] for c in result["cases"]] == [0, 128, 256]
-
-
 def test_offline_moe_family(tmp_path: Path) -> None:
     """Qwen3-MoE (q/k norms before RoPE, expert MLPs): same exactness, all prompt loaded."""
     model = _save_tiny("qwen3-moe", tmp_path)
@@ -148,7 +131,10 @@ def _free_port() -> int:
 
 
 def test_openai_server_decode(model_dir: Path, tmp_path: Path) -> None:
-    """The gateway's path: /v1/completions with kv_transfer_params, streaming and not."""
+    """The gateway's path: /v1/completions with kv_transfer_params, streaming and not.
+
+    The server keeps vLLM's prefix cache on, so this also covers a load that starts after
+    a local prefix hit (300-token prompt: 256 cached locally, 44 loaded)."""
     args = [
         "--model-dir",
         str(model_dir),
@@ -165,4 +151,4 @@ def test_openai_server_decode(model_dir: Path, tmp_path: Path) -> None:
     failed = [c for c in result["cases"] if not all(c["checks"].values())]
     log = (tmp_path / "server.log").read_text()[-3000:] if failed else ""
     assert not failed, json.dumps(failed, indent=1)[:3000] + log
-    assert "loaded 300 prompt tokens" in (tmp_path / "server.log").read_text()
+    assert "loaded 44 prompt tokens [256, 300)" in (tmp_path / "server.log").read_text()
