@@ -26,6 +26,10 @@ one in each worker):
   the prompt is recomputed. A failure *during* the worker copy (after the scheduler counted
   the tokens) is reported through ``get_block_ids_with_load_errors``; vLLM then fails the
   request or recomputes the blocks per ``kv_load_failure_policy`` (set ``"recompute"``).
+* **Integrity.** The header check covers format, version, shapes and the token-id
+  digest; the CRC-32 over tensor data is *not* recomputed on this hot path (it would
+  read every byte twice) — partial files cannot occur (atomic rename), and
+  ``read_handoff`` verifies it where a full check is wanted.
 * **Copy** (``start_load_kv``, worker, before the forward pass). For each attention layer:
   read the token range, keep this tensor-parallel rank's KV heads, go [H,T,D] → [T,H,D] in
   the model dtype, and write it with the attention backend's own ``do_kv_cache_update`` —
@@ -175,7 +179,7 @@ class FlowPrefillConnector(KVConnectorBase_V1):
                 raise KVMismatchError("num_tokens", ref.num_tokens, header.num_tokens)
             check_prompt(header, list(request.prompt_token_ids or []))
             tracked.header = header
-        except KVHandoffError as exc:
+        except (KVHandoffError, OSError) as exc:  # OSError: unreadable mount, permissions
             tracked.reason = f"{type(exc).__name__}: {exc}"
             logger.warning(
                 "request %s: hand-off %s unusable, recomputing the prompt: %s",
