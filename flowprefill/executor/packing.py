@@ -1,14 +1,10 @@
-"""Packing a batch of prompts into one sequence, and splitting it into chunks.
+"""Packing a batch of prompts into one sequence, chunk spans, and attention segments.
 
 Several prompts run in one forward pass as one packed row: token ``i`` carries its own
-request's position id, and a block-diagonal causal mask keeps requests from attending to
-each other. transformers 5 returns a 4-D mask it is given unchanged (``masking_utils``), so
-the mask built here is exactly what attention sees. With ``sdpa`` the mask is boolean (True =
-attend); with ``eager`` it is additive. A single prompt takes the plain causal path instead
-(no mask, ``is_causal``), which is what the model does on its own.
-
-Mask memory is ``chunk_tokens × tokens_so_far`` per forward (16 MiB for 4K×4K booleans);
-long packed batches should be chunked.
+request's position id (restarting at 0 per request). Requests must not attend to each
+other; rather than a block-diagonal mask over the whole row, the row is described by
+:class:`Segment` s — per request, which query rows of this forward attend to which cached
+keys — and :mod:`flowprefill.executor.attention` runs causal attention per segment.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # [1, total] int64
     position_ids: torch.Tensor  # [1, total] int64, restarting at 0 for each request
-    sequence_ids: torch.Tensor  # [total] int64, request index of each token
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
 
@@ -48,13 +43,9 @@ def pack(prompts: Sequence[torch.Tensor], device: torch.device) -> PackedBatch:
     starts = tuple(sum(lengths[:i]) for i in range(len(lengths)))
     input_ids = torch.cat(list(prompts)).unsqueeze(0)
     position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]).unsqueeze(0)
-    sequence_ids = torch.repeat_interleave(
-        torch.arange(len(lengths), dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
-    )
     return PackedBatch(
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
-        sequence_ids=sequence_ids.to(device),
         starts=starts,
         lengths=lengths,
     )
@@ -67,23 +58,34 @@ def chunk_spans(num_tokens: int, chunk_size: int | None) -> list[tuple[int, int]
     return [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
 
 
-def block_causal_mask(
-    sequence_ids: torch.Tensor, start: int, end: int, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """Mask ``[1, 1, end-start, end]`` for queries ``start:end`` over keys ``0:end``.
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Queries ``q_start:q_end`` (indices within this forward's rows) attend to keys
+    ``k_start:k_end`` (indices within the cache, which holds every earlier chunk too).
 
-    Query ``q`` may attend key ``k`` iff both belong to the same request and ``k <= q``
-    (packed order equals position order within a request). ``dtype=None`` gives a boolean
-    mask; a float dtype gives an additive one (0 or the dtype's minimum).
+    The last query of a segment is the key at ``k_end - 1``: causality is aligned to the
+    bottom right, as when a chunk continues a request begun in an earlier chunk.
     """
-    device = sequence_ids.device
-    q_seq = sequence_ids[start:end, None]
-    k_seq = sequence_ids[None, :end]
-    q_idx = torch.arange(start, end, device=device)[:, None]
-    k_idx = torch.arange(end, device=device)[None, :]
-    allowed = (q_seq == k_seq) & (k_idx <= q_idx)
-    allowed = allowed[None, None]
-    if dtype is None:
-        return allowed
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+
+
+def chunk_segments(
+    starts: Sequence[int], lengths: Sequence[int], chunk_start: int, chunk_end: int
+) -> list[Segment]:
+    """Segments of the chunk ``[chunk_start, chunk_end)`` of a packed row.
+
+    Request ``r`` occupies ``[starts[r], starts[r] + lengths[r])``; its queries in the chunk
+    attend to its keys from its first token up to the chunk's end.
+    """
+    segments = []
+    for start, length in zip(starts, lengths, strict=True):
+        end = start + length
+        q_start, q_end = max(start, chunk_start), min(end, chunk_end)
+        if q_start >= q_end:
+            continue
+        segments.append(Segment(q_start - chunk_start, q_end - chunk_start, start, q_end))
+    return segments

@@ -22,6 +22,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from flowprefill.errors import InvalidRequestError
+from flowprefill.executor.attention import packed_segments
+from flowprefill.executor.attention import register as register_packed_attention
 from flowprefill.executor.checkpoints import check_granularity, describe, install_checkpoints
 from flowprefill.executor.device import (
     DeviceBackend,
@@ -31,12 +33,10 @@ from flowprefill.executor.device import (
     check_sync_mode,
     per_check_sync,
 )
-from flowprefill.executor.packing import PackedBatch, block_causal_mask, chunk_spans, pack
+from flowprefill.executor.packing import PackedBatch, chunk_segments, chunk_spans, pack
 from flowprefill.executor.preemption import TaskControl, activate, current_control
 
 PromptLike = Sequence[int] | torch.Tensor
-
-_SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass(frozen=True)
@@ -79,12 +79,6 @@ class PreemptibleExecutor:
         self.sync_mode: SyncMode = check_sync_mode(sync)
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
-        attention = getattr(model.config, "_attn_implementation", None)
-        if attention not in _SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attention implementation {attention!r} is not supported by the packed "
-                f"batch path; load the model with attn_implementation in {_SUPPORTED_ATTENTION}"
-            )
         self.device = torch.device(device) if device is not None else model.device
         # nn.Module.to directly: transformers' typing of PreTrainedModel.to confuses mypy.
         torch.nn.Module.to(model, self.device)
@@ -93,9 +87,15 @@ class PreemptibleExecutor:
         self.backend.prepare()
         self.granularity = granularity
         self.chunk_size = chunk_size
-        self._attention = attention
         self._on_boundary = boundary_fn(self.backend, self.sync_mode)
-        self._handle = install_checkpoints(model, granularity, on_boundary=self._on_boundary)
+        # Attention runs per request segment (see executor/attention.py); restored by close().
+        self._original_attention = model.config._attn_implementation
+        model.set_attn_implementation(register_packed_attention())
+        try:
+            self._handle = install_checkpoints(model, granularity, on_boundary=self._on_boundary)
+        except BaseException:
+            model.set_attn_implementation(self._original_attention)
+            raise
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.max_prompt_tokens = int(config.max_position_embeddings)
@@ -209,7 +209,6 @@ class PreemptibleExecutor:
         """Run the forward pass(es); return each request's last-position logits."""
         last_indices = batch.last_indices
         logits: list[torch.Tensor | None] = [None] * batch.num_requests
-        single = batch.num_requests == 1
         for chunk_index, (start, end) in enumerate(chunk_spans(batch.num_tokens, self.chunk_size)):
             if chunk_index > 0:
                 self._on_boundary()  # chunk boundaries are checkpoints at every granularity
@@ -218,18 +217,15 @@ class PreemptibleExecutor:
             keep = torch.tensor(
                 [last_indices[r] - start for r in finishing], dtype=torch.long, device=self.device
             )
-            mask = None
-            if not single:
-                mask_dtype = None if self._attention == "sdpa" else self.model.dtype
-                mask = block_causal_mask(batch.sequence_ids, start, end, mask_dtype)
-            out = self.model(
-                input_ids=batch.input_ids[:, start:end],
-                position_ids=batch.position_ids[:, start:end],
-                attention_mask=mask,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=keep,
-            )
+            segments = chunk_segments(batch.starts, batch.lengths, start, end)
+            with packed_segments(segments):
+                out = self.model(
+                    input_ids=batch.input_ids[:, start:end],
+                    position_ids=batch.position_ids[:, start:end],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                )
             for row, request in enumerate(finishing):
                 logits[request] = out.logits[0, row].float()
         assert all(item is not None for item in logits)
@@ -256,8 +252,10 @@ class PreemptibleExecutor:
         return outputs
 
     def close(self) -> None:
-        """Remove the checkpoint hooks from the model."""
+        """Remove the checkpoint hooks and restore the model's attention implementation."""
         self._handle.remove()
+        if self.model.config._attn_implementation != self._original_attention:
+            self.model.set_attn_implementation(self._original_attention)
 
     def __enter__(self) -> PreemptibleExecutor:
         return self

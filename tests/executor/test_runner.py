@@ -143,13 +143,16 @@ def test_bad_configuration_is_rejected(tiny_models: dict[str, PreTrainedModel]) 
     PreemptibleExecutor(model).close()  # failed constructions left no hooks behind
 
 
-def test_eager_attention_batches_too(make_executor: MakeExecutor) -> None:
+def test_executor_restores_the_attention_implementation(make_executor: MakeExecutor) -> None:
     from flowprefill.models import build_model
 
     model = build_model("llama", "tiny", seed=3)
     model.set_attn_implementation("eager")
     executor = make_executor(model)
+    assert model.config._attn_implementation == "flowprefill_packed"
     prompts = random_prompts([5, 12], executor.vocab_size, seed=15)
     batched = executor.prefill(prompts)
     for prompt, got in zip(prompts, batched, strict=True):
         assert_close(got, executor.prefill([prompt])[0])
+    executor.close()
+    assert model.config._attn_implementation == "eager"

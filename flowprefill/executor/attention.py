@@ -1,0 +1,104 @@
+"""Variable-length attention for packed batches, registered as a transformers attention.
+
+A batch runs as one packed row (see :mod:`flowprefill.executor.packing`). Attention over
+that row with a block-diagonal mask would cost ``(Σ lengths)²`` and, with a mask, sdpa on
+CPU falls back from its flash kernel to the math path: measured here, a 4 × 1024-token batch
+took 5.7× longer in masked attention than four causal 1024-token calls. So attention runs
+per request *segment* instead: each request's queries attend to that request's keys with a
+causal sdpa call, costing ``Σ lengths²`` on the fast kernel.
+
+The executor publishes the segments of the forward pass it is about to run in a
+thread-local (:func:`packed_segments`); transformers passes q/k/v for the whole row to
+:func:`packed_attention`, which splits them. Outside the executor (no segments on the
+thread) the function is plain sdpa, so the model still works for anything else. Projections,
+norms, RoPE and the KV cache are untouched: only the attention kernel call changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from flowprefill.executor.packing import Segment
+
+PACKED_ATTENTION = "flowprefill_packed"
+
+
+_local = threading.local()
+
+
+@contextmanager
+def packed_segments(segments: Sequence[Segment]) -> Iterator[None]:
+    """Make ``segments`` the layout :func:`packed_attention` uses on this thread."""
+    previous = getattr(_local, "segments", None)
+    _local.segments = segments
+    try:
+        yield
+    finally:
+        _local.segments = previous
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention per segment; ``query`` ``[1, heads, q, d]``, ``key``/``value``
+    ``[1, kv_heads, k, d]``; returns ``[1, q, heads, d]`` like the sdpa integration.
+
+    The model's own ``attention_mask`` is ignored while segments are published: they encode
+    the block-diagonal causal pattern exactly.
+    """
+    segments: Sequence[Segment] | None = getattr(_local, "segments", None)
+    kwargs.pop("is_causal", None)
+    if segments is None:
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        return out, None
+    outputs = []
+    for seg in segments:
+        num_q, num_k = seg.q_end - seg.q_start, seg.k_end - seg.k_start
+        mask = None
+        if 1 < num_q < num_k:
+            # Bottom-right causal: query i sees keys up to i + (num_k - num_q). sdpa's
+            # is_causal would align to the top left, which is wrong here.
+            rows = torch.arange(num_q, device=query.device)[:, None] + (num_k - num_q)
+            mask = (torch.arange(num_k, device=query.device)[None, :] <= rows)[None, None]
+        # num_q == num_k: plain causal (is_causal); num_q == 1: the last query sees all keys.
+        out, _ = sdpa_attention_forward(
+            module,
+            query[:, :, seg.q_start : seg.q_end],
+            key[:, :, seg.k_start : seg.k_end],
+            value[:, :, seg.k_start : seg.k_end],
+            mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+            **kwargs,
+        )
+        outputs.append(out)
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def register() -> str:
+    """Register the implementation (idempotent) and return its name.
+
+    The mask interface is sdpa's, so outside the executor the model builds the masks it
+    would build for sdpa.
+    """
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+    return PACKED_ATTENTION
