@@ -13,6 +13,11 @@ protocol and are handed to the same :class:`~flowprefill.scheduler.core.Schedule
   other late requests: they are misses either way, and clearing them in full batches costs
   the feasible ones less device time than one by one (Algorithm 1 runs a late leader alone,
   because no prediction fits a negative remaining time).
+* ``headroom`` — SLO-aware batching that spends only half of the leader's remaining time
+  on growing the batch (``predict_s(grown) < 0.5 · (deadline − now)``). A batch cannot be
+  preempted by a request due later than its leader, so a batch that fills the leader's
+  whole slack makes every urgent request arriving meanwhile wait for it; keeping half the
+  slack free bounds that wait.
 """
 
 from __future__ import annotations
@@ -79,8 +84,33 @@ class MemberAwareBatching:
         return batch
 
 
+class HeadroomBatching:
+    name = "headroom"
+    fraction = 0.5
+    """Share of the leader's remaining time a batch may take."""
+
+    def form_batch(
+        self,
+        leader: Request,
+        candidates: Iterable[Request],
+        *,
+        now_s: float,
+        predict_s: PredictFn,
+        token_budget: int,
+    ) -> list[Request]:
+        batch = [leader]
+        allowed_s = self.fraction * (leader.deadline_s - now_s)
+        num_tokens = leader.num_tokens
+        for r in candidates:
+            grown = num_tokens + r.num_tokens
+            if grown <= token_budget and allowed_s > predict_s(grown):
+                batch.append(r)
+                num_tokens = grown
+        return batch
+
+
 SIM_BATCHING: dict[str, type[BatchingPolicy]] = {
-    b.name: b for b in (GreedyBatching, MemberAwareBatching)
+    b.name: b for b in (GreedyBatching, MemberAwareBatching, HeadroomBatching)
 }
 
 

@@ -157,7 +157,8 @@ def _out_dir(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    # Piped output (logs, CI) still gets the whole table instead of 80 squeezed columns.
+    console = Console() if Console().is_terminal else Console(width=150)
     try:
         cfg = config_from_args(args)
         if args.compare_measured is not None:
@@ -215,3 +216,14 @@ def _compare(cfg: SweepConfig, args: argparse.Namespace, console: Console) -> in
     report = compare_with_measured(cfg, records, system=cfg.systems[0])
     console.print(report.summary())
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flowprefill.sim.cli`` — the same as ``flowprefill simulate``."""
+    parser = argparse.ArgumentParser(prog="flowprefill simulate", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -21,6 +21,7 @@ Two models:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -192,12 +193,15 @@ class GPUCostModel:
         return PassCost(self.pass_overhead_s + emb, (qkv, attn, o, up, down), self.model.num_layers)
 
     def ideal_cost_s(self, num_tokens: int) -> float:
-        per_token = min(
-            (self._ys[0, i] + self.model.num_layers * self._ys[1:, i].sum()) / n
-            for i, n in enumerate(self._xs)
-        )
         attn = self.attention_s([(num_tokens, 0)]) * self.model.num_layers
-        return float(per_token) * num_tokens + attn
+        return self._min_gemm_per_token_s * num_tokens + attn
+
+    @functools.cached_property
+    def _min_gemm_per_token_s(self) -> float:
+        """Cheapest GEMM time per token over the profile (the best batch size), no
+        per-pass overhead: what a token costs in an ideally batched pass."""
+        per_pass = self._ys[0] + self.model.num_layers * self._ys[1:].sum(axis=0)
+        return float((per_pass / self._xs).min())
 
 
 class ProfileCostModel:

@@ -17,6 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from flowprefill.errors import FlowPrefillError, InvalidRequestError
 from flowprefill.sim.config import SweepConfig
 from flowprefill.sim.cost import CostModel
 from flowprefill.sim.search import highest_passing, lowest_passing
@@ -27,6 +28,12 @@ REF_RATE_FRACTION = 0.25
 """Default rate of the SLO-scale sweep and the per-class table, as a fraction of the bound."""
 RATE_GRID_FRACTIONS = tuple(0.05 * i for i in range(1, 17))
 """Default rate grid of the attainment curves: 5 %, 10 %, …, 80 % of the bound."""
+SATURATION_REQUESTS = 600
+SATURATION_LOAD = 4.0
+"""Saturation throughput: the first 600 requests at 4 × the bound, tokens / makespan."""
+CURVE_FLOOR = 0.3
+"""A curve stops at its first point below this attainment; that point's run stops as soon
+as its attainment is certain to be below it (deep overload costs O(queue) per round)."""
 
 
 @dataclass
@@ -54,6 +61,7 @@ class SystemOutcome:
     goodput_rps: float
     oracle_goodput_rps: float | None
     tightest_slo_scale: float
+    saturation_tokens_per_s: float
     reference: RunSummary
     rate_curve: list[RunSummary] = field(default_factory=list)
     slo_curve: list[RunSummary] = field(default_factory=list)
@@ -88,9 +96,10 @@ class Evaluator:
         return self.cfg.instances * self.num_requests / cheap_work_s
 
     def run(
-        self, spec: SystemSpec, rate: float, slo_scale: float, *, early: bool = False
+        self, spec: SystemSpec, rate: float, slo_scale: float, *, stop_below: float | None = None
     ) -> RunSummary:
-        budget = math.floor((1 - self.cfg.target) * self.num_requests) if early else None
+        """Pooled run; with ``stop_below`` it ends once attainment is sure to be lower."""
+        budget = None if stop_below is None else math.floor((1 - stop_below) * self.num_requests)
         met = shed = rounds = preemptions = tokens = 0
         span = 0.0
         per_class: dict[str, list[int]] = {}
@@ -139,8 +148,27 @@ class Evaluator:
             stopped_early=stopped,
         )
 
+    def saturation_tokens_per_s(self, spec: SystemSpec) -> float:
+        """Tokens per second with the device never idle (efficiency, SLOs aside)."""
+        tokens = 0
+        span = 0.0
+        for w in self.workloads:
+            res = run_system(
+                spec,
+                w.head(SATURATION_REQUESTS),
+                self.cost,
+                rate=SATURATION_LOAD * self.bound_rps(),
+                predictor=self.predictor,
+                num_instances=self.cfg.instances,
+                router=self.cfg.router,
+                live_progress=self.cfg.live_progress,
+            )
+            tokens += res.num_tokens_done
+            span += res.last_finish_s - res.first_arrival_s
+        return tokens / span if span > 0 else 0.0
+
     def passes(self, spec: SystemSpec, rate: float, slo_scale: float) -> bool:
-        res = self.run(spec, rate, slo_scale, early=True)
+        res = self.run(spec, rate, slo_scale, stop_below=self.cfg.target)
         return not res.stopped_early and res.attainment >= self.cfg.target
 
     def rate_grid(self) -> list[float]:
@@ -165,11 +193,22 @@ def evaluator(cfg: SweepConfig) -> Evaluator:
     return ev
 
 
+def _curve(point: Callable[[float], RunSummary], xs: list[float]) -> list[RunSummary]:
+    """Evaluate ``xs`` in order (easiest first) until attainment falls below the floor."""
+    out: list[RunSummary] = []
+    for x in xs:
+        p = point(x)
+        out.append(p)
+        if p.stopped_early or p.attainment < CURVE_FLOOR:
+            break
+    return out
+
+
 def system_job(cfg: SweepConfig, name: str) -> SystemOutcome:
     ev = evaluator(cfg)
     spec = get_system(name)
     target = cfg.target
-    rate_curve = [ev.run(spec, r, 1.0) for r in ev.rate_grid()]
+    rate_curve = _curve(lambda r: ev.run(spec, r, 1.0, stop_below=CURVE_FLOOR), ev.rate_grid())
     goodput = highest_passing(
         lambda r: ev.passes(spec, r, 1.0),
         [(p.rate, p.attainment >= target) for p in rate_curve],
@@ -177,13 +216,16 @@ def system_job(cfg: SweepConfig, name: str) -> SystemOutcome:
         rel_tol=cfg.rel_tol,
     )
     ref_rate = ev.reference_rate()
-    slo_curve = [ev.run(spec, ref_rate, s) for s in sorted(cfg.slo_scales)]
+    slo_curve = _curve(
+        lambda s: ev.run(spec, ref_rate, s, stop_below=CURVE_FLOOR),
+        sorted(cfg.slo_scales, reverse=True),
+    )[::-1]
     tightest = lowest_passing(
         lambda s: ev.passes(spec, ref_rate, s),
         [(p.slo_scale, p.attainment >= target) for p in slo_curve],
         rel_tol=cfg.rel_tol,
     )
-    reference = next((p for p in slo_curve if p.slo_scale == 1.0), None)
+    reference = next((p for p in slo_curve if p.slo_scale == 1.0 and not p.stopped_early), None)
     if reference is None:
         reference = ev.run(spec, ref_rate, 1.0)
     return SystemOutcome(
@@ -193,6 +235,7 @@ def system_job(cfg: SweepConfig, name: str) -> SystemOutcome:
         goodput_rps=goodput,
         oracle_goodput_rps=None,
         tightest_slo_scale=tightest,
+        saturation_tokens_per_s=ev.saturation_tokens_per_s(spec),
         reference=reference,
         rate_curve=rate_curve,
         slo_curve=slo_curve,
@@ -209,9 +252,13 @@ def oracle_job(cfg: SweepConfig, name: str) -> float:
 
 def _job(args: tuple[SweepConfig, str, str]) -> tuple[str, str, Any]:
     cfg, kind, name = args
-    if kind == "system":
-        return kind, name, system_job(cfg, name)
-    return kind, name, oracle_job(cfg, name)
+    try:
+        if kind == "system":
+            return kind, name, system_job(cfg, name)
+        return kind, name, oracle_job(cfg, name)
+    except FlowPrefillError as e:
+        # Not every error type survives pickling back from a worker: send the message.
+        return "error", name, f"{kind} {name}: {e}"
 
 
 @dataclass
@@ -250,6 +297,8 @@ def run_sweep(cfg: SweepConfig, *, progress: bool = True) -> SweepResult:
     results: dict[tuple[str, str], Any] = {}
     bar = tqdm(total=len(jobs), desc="simulate", unit="job", disable=not progress)
     for kind, name, value in _map(_job, jobs, cfg.jobs):
+        if kind == "error":
+            raise InvalidRequestError(value)
         results[(kind, name)] = value
         bar.update()
     bar.close()

@@ -85,6 +85,18 @@ class Workload:
     def __len__(self) -> int:
         return len(self.arrival_s)
 
+    def head(self, num_requests: int) -> Workload:
+        """The first ``num_requests`` requests, same base rate."""
+        k = max(1, min(num_requests, len(self)))
+        return Workload(
+            name=f"{self.name}[:{k}]",
+            arrival_s=self.arrival_s[:k],
+            num_tokens=self.num_tokens[:k],
+            slo_class=self.slo_class[:k],
+            slo_table=self.slo_table,
+            base_rate=self.base_rate,
+        )
+
     @property
     def classes(self) -> list[str]:
         return sorted(set(self.slo_class))
