@@ -17,7 +17,8 @@ Routing (across ``--instances`` prefill instances):
 
 * ``round-robin`` — the baseline.
 * ``least-work`` — the instance with the fewest outstanding predicted tokens.
-* ``slack`` — the instance where the new request's queue-aware predicted slack is largest.
+* ``slack`` — the instance where the new request's queue-aware predicted slack is largest
+  (ties: the one with less outstanding work).
 """
 
 from __future__ import annotations
@@ -131,8 +132,13 @@ class SlackRouter:
     name = "slack"
 
     def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
-        slack = [queue_aware_slack_s(x.scheduler, request, now_s) for x in instances]
-        return slack.index(max(slack))
+        # Ties (e.g. the request would preempt whatever runs on either instance) go to the
+        # instance with less outstanding work: it has less to block on and to catch up.
+        keys = [
+            (queue_aware_slack_s(x.scheduler, request, now_s), -outstanding_tokens(x.scheduler))
+            for x in instances
+        ]
+        return keys.index(max(keys))
 
 
 ROUTERS: dict[str, type[Router]] = {r.name: r for r in (RoundRobin, LeastWork, SlackRouter)}

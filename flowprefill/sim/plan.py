@@ -119,6 +119,8 @@ class ExecutionPlan:
             return start + p.pre_s + p.op_s[0]
         layer = min(int(y // layer_s), p.num_layers - 1)
         within = y - layer * layer_s
+        if within <= 0:
+            return start + p.pre_s + layer * layer_s  # exactly at the previous layer's end
         acc = 0.0
         for op in p.op_s:
             acc += op

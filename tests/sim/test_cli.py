@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from flowprefill.sim import cli
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.run(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "gpt2"], "unknown model 'gpt2'"),
+        (["--gpu", "v100"], "unknown GPU 'v100'"),
+        (["--rate", "-3"], "--rate"),
+        (["--num-requests", "0"], "--num-requests"),
+        (["--slo-rate", "-1"], "--slo-rate"),
+        (["--systems", "flowprefill,magic"], "unknown system 'magic'"),
+        (["--router", "random"], "unknown router"),
+        (["--trace", "/nonexistent.jsonl", "--rate", "1"], "no such file"),
+    ],
+)
+def test_bad_input_is_rejected_with_a_message_naming_it(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(argv) == 2
+    assert message in capsys.readouterr().out.replace("\n", "")
+
+
+def test_single_run_mode_prints_a_row_per_system(capsys: pytest.CaptureFixture[str]) -> None:
+    code = run(["--num-requests", "80", "--rate", "3", "--systems", "paper", "--jobs", "1"])
+    assert code == 0
+    out = capsys.readouterr().out
+    for name in ("distserve-fcfs", "distserve-cp2k", "distserve-cp8k", "sedf-layer", "flowprefill"):
+        assert name in out
+
+
+def test_sweep_writes_json_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--num-requests", "120", "--systems", "distserve-fcfs,flowprefill,sedf-layer"]
+    argv += ["--rates", "2,8", "--slo-scales", "0.5,1,2", "--tolerance", "0.2", "--jobs", "1"]
+    argv += ["--no-oracles", "--no-progress", "--out", str(tmp_path)]
+    assert run(argv) == 0
+    data = json.loads((tmp_path / "result.json").read_text())
+    assert [s["name"] for s in data["systems"]] == ["distserve-fcfs", "flowprefill", "sedf-layer"]
+    assert (tmp_path / "fig9_end_to_end.png").stat().st_size > 1000
+    assert "Against the paper" in capsys.readouterr().out
