@@ -125,9 +125,17 @@ def machine_scale(predict_s_1k: float) -> float:
     return max(1.0, predict_s_1k / a100)
 
 
-def decode_command(model_dir: Path, port: int, kv_dir: Path) -> list[str]:
+def decode_command(
+    model_dir: Path, port: int, kv_dir: Path, max_model_len: int = 8192
+) -> list[str]:
+    """vLLM's OpenAI server as a KV consumer of our hand-offs (CPU-friendly settings)."""
     from flowprefill.kv import kv_transfer_config
 
+    kv_config = {
+        **kv_transfer_config(str(kv_dir)),
+        # An unusable hand-off must mean "recompute", never a failed request.
+        "kv_load_failure_policy": "recompute",
+    }
     return [
         sys.executable,
         "-m",
@@ -142,12 +150,22 @@ def decode_command(model_dir: Path, port: int, kv_dir: Path) -> list[str]:
         "float32",
         "--enforce-eager",
         "--max-model-len",
-        "4096",
+        str(max_model_len),
         "--served-model-name",
         str(model_dir),
+        "--enable-prompt-tokens-details",
         "--kv-transfer-config",
-        json.dumps(kv_transfer_config(str(kv_dir))),
+        json.dumps(kv_config),
     ]
+
+
+def decode_env(run_dir: Path) -> dict[str, str]:
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,12 +245,7 @@ def run(args: argparse.Namespace) -> int:
                 decode_command(model_dir, port, kv_dir),
                 url,
                 run_dir / "logs" / f"decode-{i}.log",
-                env={
-                    "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
-                    "HF_HUB_OFFLINE": "1",
-                    "TRANSFORMERS_OFFLINE": "1",
-                },
+                env=decode_env(run_dir),
             )
         )
     gateway_cfg = GatewayConfig(

@@ -1,0 +1,217 @@
+"""End to end: openai client → gateway → FlowPrefill prefill → KV hand-off → real vLLM decode.
+
+One vLLM OpenAI server (decode, with our KV connector) and one prefill instance share a
+locally built demo-size Llama (float32). Needs vLLM (the `decode` extra); skipped with the
+reason where it is not installed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import httpx
+import openai
+import pytest
+
+from flowprefill.contracts import Endpoint, GatewayConfig
+from flowprefill.engine import PrefillEngine
+from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.gateway.app import create_gateway_app
+from flowprefill.gateway.cli import build_state
+from flowprefill.models import load_model, named_model_dir
+from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.server.kv_sink import directory_sink
+from flowprefill.server.prefill import create_app
+from flowprefill.up import decode_command, decode_env
+from tests.helpers import free_port, serve_in_thread
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed (pip install -e '.[decode]'; see README)",
+    ),
+]
+
+TABLE = {
+    "version": 1,
+    "default_class": "chat",
+    "classes": [
+        {
+            "name": "chat",
+            "task_type": "text",
+            "ttft_slo_ms": 1500,
+            "priority": 10,
+            "attainment_target": 0.9,
+        },
+        {
+            "name": "file",
+            "task_type": "file",
+            "ttft_slo_ms": 120_000,
+            "priority": 0,
+            "attainment_target": 0.9,
+        },
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    model_dir = named_model_dir("demo-llama", cache_dir=tmp / "models")
+    kv_dir = tmp / "kv"
+    port = free_port()
+    log = (tmp / "vllm.log").open("wb")
+    proc = subprocess.Popen(
+        decode_command(model_dir, port, kv_dir),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**__import__("os").environ, **decode_env(tmp)},
+    )
+    decode_url = f"http://127.0.0.1:{port}"
+    try:
+        with ExitStack() as stack:
+            model = load_model(model_dir)
+            executor = stack.enter_context(PreemptibleExecutor(model, granularity="operator"))
+            t0 = time.perf_counter()
+            executor.prefill([list(range(1, 2001))])
+            per_token = (time.perf_counter() - t0) / 2000
+            engine = PrefillEngine(executor, TTFTPredictor.linear(per_token), batching="none")
+            prefill_url = stack.enter_context(
+                serve_in_thread(create_app(engine, kv_sink=directory_sink(kv_dir, model.config)))
+            )
+            deadline = time.monotonic() + 600
+            while True:
+                assert proc.poll() is None, (tmp / "vllm.log").read_text()[-3000:]
+                try:
+                    if httpx.get(f"{decode_url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "vLLM did not start"
+                time.sleep(1)
+            (tmp / "slo.json").write_text(json.dumps(TABLE))
+            config = GatewayConfig(
+                service="e2e",
+                model_name="demo",
+                tokenizer_path=str(model_dir),
+                prefill=[Endpoint(pool="p", host="h", port=1, url=prefill_url)],
+                decode=[Endpoint(pool="d", host="h", port=1, url=decode_url)],
+            )
+            gw = stack.enter_context(
+                serve_in_thread(create_gateway_app(build_state(config, tmp / "slo.json")))
+            )
+            yield {
+                "gw": gw,
+                "decode": decode_url,
+                "model_dir": str(model_dir),
+                "engine": engine,
+                "state": None,
+            }
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def vllm_alone(stack: dict, prompt_ids: list[int], max_tokens: int) -> str:
+    """The reference: vLLM generating by itself (no hand-off), greedy."""
+    r = httpx.post(
+        f"{stack['decode']}/v1/completions",
+        timeout=300,
+        json={
+            "model": stack["model_dir"],
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+def client(stack: dict) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack['gw']}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_openai_client_gets_the_same_tokens_as_vllm_alone(stack) -> None:
+    ids = [(37 * i) % 30000 + 5 for i in range(300)]
+    expected = vllm_alone(stack, ids, 12)
+    c = client(stack)
+    resp = c.completions.create(model="demo", prompt=ids, max_tokens=12, temperature=0)
+    assert resp.choices[0].text == expected
+    assert resp.usage.completion_tokens == 12
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model="demo", prompt=ids, max_tokens=12, temperature=0, stream=True
+        )
+        if ch.choices
+    )
+    assert streamed == expected
+
+
+def test_streaming_chat_matches_non_streaming(stack) -> None:
+    c = client(stack)
+    msgs = [{"role": "user", "content": "Tell me about prefill scheduling."}]
+    full = c.chat.completions.create(model="demo", messages=msgs, max_tokens=10, temperature=0)
+    parts = [
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(
+            model="demo", messages=msgs, max_tokens=10, temperature=0, stream=True
+        )
+        if ch.choices
+    ]
+    assert "".join(parts) == full.choices[0].message.content
+
+
+def test_long_prefill_is_preempted_and_urgent_requests_keep_their_slo(stack) -> None:
+    long_ids = [(11 * i) % 30000 + 5 for i in range(6000)]
+    shorts = [[(13 * i + k) % 30000 + 5 for i in range(64)] for k in range(3)]
+    expected_long = vllm_alone(stack, long_ids, 4)
+    expected_short = [vllm_alone(stack, s, 4) for s in shorts]
+    engine: PrefillEngine = stack["engine"]
+    preempted_before = engine.scheduler.stats.num_preemptions
+    c = client(stack)
+
+    def ask(ids: list[int], cls: str) -> tuple[str, float]:
+        t0 = time.monotonic()
+        stream = c.completions.create(
+            model="demo",
+            prompt=ids,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_headers={"x-slo-class": cls},
+        )
+        text, ttft = "", None
+        for ch in stream:
+            if ttft is None:
+                ttft = time.monotonic() - t0
+            text += ch.choices[0].text if ch.choices else ""
+        assert ttft is not None
+        return text, ttft
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        long_f = pool.submit(ask, long_ids, "file")
+        deadline = time.monotonic() + 30
+        while engine.scheduler.running is None:  # wait until the long prefill is running
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        short_fs = [pool.submit(ask, s, "chat") for s in shorts]
+        short_results = [f.result() for f in short_fs]
+        long_text, long_ttft = long_f.result()
+    assert engine.scheduler.stats.num_preemptions > preempted_before
+    for (text, ttft), expected in zip(short_results, expected_short, strict=True):
+        assert text == expected
+        assert ttft < 1.5, f"urgent request took {ttft:.2f} s to its first token"
+        assert ttft < long_ttft
+    assert long_text == expected_long
