@@ -215,3 +215,56 @@ def test_long_prefill_is_preempted_and_urgent_requests_keep_their_slo(stack) -> 
         assert ttft < 1.5, f"urgent request took {ttft:.2f} s to its first token"
         assert ttft < long_ttft
     assert long_text == expected_long
+
+
+def _vllm_running(stack: dict) -> float:
+    text = httpx.get(f"{stack['decode']}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_client_disconnect_cancels_prefill_and_decode(stack) -> None:
+    engine: PrefillEngine = stack["engine"]
+    cancelled = 'flowprefill_prefill_requests_total{outcome="cancelled"'
+    # 1. Gone while its prefill waits/runs: the prefill instance drops the request.
+    long_ids = [(7 * i) % 30000 + 5 for i in range(6000)]
+    with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as c, pytest.raises(httpx.ReadTimeout):
+        c.post(
+            f"{stack['gw']}/v1/completions",
+            json={"model": "demo", "prompt": long_ids, "max_tokens": 4},
+        )
+    deadline = time.monotonic() + 30
+    while engine.scheduler.queue_depth or engine.pool.num_tasks:
+        assert time.monotonic() < deadline, "prefill kept a request nobody waits for"
+        time.sleep(0.05)
+    from prometheus_client import generate_latest
+
+    assert cancelled in generate_latest(engine.metrics.registry).decode()
+    # 2. Gone mid-stream: vLLM stops decoding it.
+    ids = [(5 * i) % 30000 + 5 for i in range(100)]
+    with (
+        httpx.Client(timeout=120) as c,
+        c.stream(
+            "POST",
+            f"{stack['gw']}/v1/completions",
+            json={
+                "model": "demo",
+                "prompt": ids,
+                "max_tokens": 2000,
+                "stream": True,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+        ) as resp,
+    ):
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data:") for line in got)
+        assert _vllm_running(stack) >= 1
+    deadline = time.monotonic() + 30
+    while _vllm_running(stack) > 0:
+        assert time.monotonic() < deadline, "vLLM kept decoding for a client that left"
+        time.sleep(0.2)
