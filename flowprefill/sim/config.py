@@ -69,8 +69,8 @@ class WorkloadSpec(BaseModel):
     kind: Literal["qwen", "sharegpt", "trace"] = Field(
         "qwen", description="qwen: QwenTrace-like (Table 1); sharegpt: single-SLO chat; trace."
     )
-    num_requests: int = Field(3000, description="Requests per generated workload (per seed).")
-    seeds: tuple[int, ...] = Field((0,), description="One workload per seed; results pooled.")
+    num_requests: int = Field(2500, description="Requests per generated workload (per seed).")
+    seeds: tuple[int, ...] = Field((0, 1), description="One workload per seed; results pooled.")
     arrival: Literal["poisson", "gamma"] = Field("poisson", description="Arrival process.")
     burst_cv: float = Field(2.0, description="Gamma inter-arrival CV (bursty when > 1).")
     trace: str | None = Field(None, description="Trace file (.jsonl or .csv) for kind=trace.")

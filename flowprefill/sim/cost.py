@@ -207,12 +207,12 @@ class GPUCostModel:
 class ProfileCostModel:
     """The engine's measured ``poly(n)`` (a ``flowprefill profile`` JSON) as a cost model.
 
-    A pass over ``T`` new tokens after ``P`` cached ones costs
-    ``a + poly(P + T) − poly(P)`` (``a`` = the fit's constant term): the quadratic term
-    is the engine's packed attention, whose mask covers every token seen so far; with
-    ``P = 0`` this is exactly ``predict_s(T)``, the scheduler's own batch prediction.
-    The pass is split evenly into ``num_layers`` × 5 checkpointed segments (the profile
-    has no per-operator times).
+    A pass costs ``a + Σ_r [poly(p_r + c_r) − poly(p_r)]`` over its requests ``r`` (``c_r``
+    new tokens after ``p_r`` cached ones; ``a`` = the fit's constant term): the engine packs
+    a batch into one row and runs attention per request segment, so the linear work adds
+    up and each request brings its own quadratic term. One request from scratch costs
+    exactly ``predict_s(n)``. The pass is split evenly into ``num_layers`` × 5
+    checkpointed segments (the profile has no per-operator times).
     """
 
     def __init__(self, predictor: TTFTPredictor, *, num_layers: int = 4, max_tokens: int = 0):
@@ -231,9 +231,8 @@ class ProfileCostModel:
         return acc
 
     def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
-        new = sum(c for c, _ in segments)
-        prefix = sum(p for _, p in segments)
-        total = self._coef[0] + self._poly(prefix + new) - self._poly(prefix)
+        poly = self._poly
+        total = self._coef[0] + sum(poly(p + c) - poly(p) for c, p in segments)
         total = max(total, self.predictor.min_latency_s)
         op = total / (5 * self.num_layers)
         return PassCost(0.0, (op,) * 5, self.num_layers)

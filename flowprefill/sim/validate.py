@@ -79,16 +79,22 @@ class ValidationReport:
     max_abs_error_ms: float
     attainment_measured: float
     attainment_simulated: float
+    mean_ttft_ms: dict[str, tuple[float, float]]
+    """class → (measured, simulated) mean TTFT, over the requests both finished."""
     pairs: list[tuple[str, float, float]]
     """(request_id, measured TTFT, simulated TTFT) in seconds."""
 
     def summary(self) -> str:
+        per_class = ", ".join(
+            f"{c} {m:.0f} vs {s:.0f}" for c, (m, s) in sorted(self.mean_ttft_ms.items())
+        )
         return (
             f"{self.num_requests} requests: simulated vs measured TTFT error "
             f"mean {self.mean_abs_error_ms:.1f} ms ({self.mean_abs_error_pct:.1f} %), "
             f"P90 {self.p90_abs_error_pct:.1f} %, max {self.max_abs_error_ms:.1f} ms; "
             f"SLO attainment measured {100 * self.attainment_measured:.1f} % vs simulated "
-            f"{100 * self.attainment_simulated:.1f} %"
+            f"{100 * self.attainment_simulated:.1f} %; mean TTFT ms measured vs simulated: "
+            f"{per_class}"
         )
 
 
@@ -121,6 +127,15 @@ def compare_with_measured(
     abs_s = [abs(s - m) for _, m, s in pairs]
     pct = sorted(100 * abs(s - m) / m for _, m, s in pairs)
     met_measured = sum(r.ttft_s <= r.ttft_slo_s for r in records)
+    cls = {r.request_id: r.slo_class for r in records}
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for rid, m, s in pairs:
+        groups.setdefault(cls[rid], []).append((m, s))
+        groups.setdefault("all", []).append((m, s))
+    mean_ttft_ms = {
+        c: (1e3 * statistics.fmean(m for m, _ in v), 1e3 * statistics.fmean(s for _, s in v))
+        for c, v in groups.items()
+    }
     return ValidationReport(
         num_requests=len(records),
         mean_abs_error_ms=1e3 * statistics.fmean(abs_s),
@@ -129,5 +144,6 @@ def compare_with_measured(
         max_abs_error_ms=1e3 * max(abs_s),
         attainment_measured=met_measured / len(records),
         attainment_simulated=result.attainment,
+        mean_ttft_ms=mean_ttft_ms,
         pairs=pairs,
     )

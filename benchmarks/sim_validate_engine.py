@@ -1,0 +1,135 @@
+"""Simulator vs the real engine on this CPU: same workload, predicted vs measured TTFT.
+
+1. Profile the real executor (``flowprefill profile``'s code path) on a built-in model.
+2. Serve a scaled-down QwenTrace-like workload with the real ``PrefillEngine`` (S-EDF,
+   SLO-aware batching, operator-level preemption), recording every request's TTFT.
+3. Replay exactly those arrivals in the simulator with the profile as the cost model
+   (``flowprefill simulate --profile P --compare-measured M``) and report the error.
+
+    python benchmarks/sim_validate_engine.py [--model demo-llama] [--num-requests 150]
+
+Prompts are Table 1 lengths divided by ``--length-divisor`` (the CPU model is ~10⁴×
+slower than an A100); SLOs are Table 2's for Llama3-8B. Timing on a shared 2-core box
+is noisy: the error reported includes that noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import flowprefill.request as request_module
+from flowprefill.backend import profile_executor
+from flowprefill.engine import PrefillEngine
+from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.models import build_named
+from flowprefill.sim.config import CostSpec, SweepConfig
+from flowprefill.sim.validate import compare_with_measured, load_measured
+from flowprefill.sim.workload import qwen_like
+
+
+def apply_pending_engine_fix() -> None:
+    """The engine's loop crashes when a preempt races with a task's last operator:
+    ``Scheduler.finish`` moves the task's requests PREEMPTED → FINISHED, which request.py
+    forbids (reported; fix = allow that transition). Until it lands, allow it here so the
+    measurement can run; a no-op once fixed."""
+    allowed = request_module._ALLOWED
+    state = request_module.RequestState
+    if state.FINISHED not in allowed[state.PREEMPTED]:
+        allowed[state.PREEMPTED] = allowed[state.PREEMPTED] | {state.FINISHED}
+        print("note: patched request.py's PREEMPTED → FINISHED transition for this run")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="demo-llama")
+    ap.add_argument("--num-requests", type=int, default=150)
+    ap.add_argument("--rate", type=float, default=5.0, help="requests per second")
+    ap.add_argument("--length-divisor", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=1536)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="folder for profile.json and measured.jsonl")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timing)")
+    args = ap.parse_args()
+    apply_pending_engine_fix()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out or tempfile.mkdtemp(prefix="sim-validate-"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    model = build_named(args.model, seed=0)
+    with PreemptibleExecutor(model, granularity="operator") as executor:
+        t0 = time.perf_counter()
+        report = profile_executor(
+            executor, min_tokens=16, max_tokens=args.max_tokens, num_points=8, repeats=3
+        )
+        predictor = report.predictor
+        predictor.save(out / "profile.json")
+        print(f"profiled in {time.perf_counter() - t0:.0f} s: {predictor.fit_error}")
+
+        workload = qwen_like(args.num_requests, seed=args.seed)
+        gen = torch.Generator().manual_seed(args.seed)
+        plan = []
+        for req in workload.requests(args.rate):
+            n = max(16, min(args.max_tokens, req.num_tokens // args.length_divisor))
+            prompt = torch.randint(0, executor.vocab_size, (n,), generator=gen).tolist()
+            plan.append((req.request_id, req.arrival_s, prompt, req.ttft_slo_s, req.slo_class))
+
+        records = []
+        t0 = time.perf_counter()
+        with PrefillEngine(executor, predictor) as engine:
+            start = time.monotonic() + 0.2
+            futures = []
+            for rid, at, prompt, slo, cls in plan:
+                delay = start + at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                futures.append(
+                    (
+                        len(prompt),
+                        engine.submit(prompt, ttft_slo_s=slo, slo_class=cls, request_id=rid),
+                    )
+                )
+            for n, fut in futures:
+                res = fut.result(timeout=600)
+                records.append(
+                    {
+                        "request_id": res.request_id,
+                        "arrival_s": res.arrival_s,
+                        "num_tokens": n,
+                        "ttft_slo_s": res.ttft_slo_s,
+                        "slo_class": res.slo_class,
+                        "ttft_s": res.ttft_s,
+                    }
+                )
+            engine_blocking = list(engine.blocking_times_s)
+        print(f"engine served {len(records)} requests in {time.perf_counter() - t0:.0f} s")
+
+    measured = out / "measured.jsonl"
+    measured.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cost = CostSpec(profile=str(out / "profile.json"), profile_layers=executor.num_layers)
+    for live in (True, False):
+        cfg = SweepConfig(cost=cost, systems=("flowprefill",), live_progress=live)
+        rep = compare_with_measured(cfg, load_measured(measured), system="flowprefill")
+        mode = "simulator (live progress)" if live else "simulator (engine progress) "
+        print(f"{mode}: {rep.summary()}")
+    if engine_blocking:
+        mean_ms = 1e3 * statistics.fmean(engine_blocking)
+        print(
+            f"engine preemption blocking: {len(engine_blocking)} preemptions, "
+            f"mean {mean_ms:.1f} ms, max {1e3 * max(engine_blocking):.1f} ms"
+        )
+    print(
+        f"files in {out}/ (replay: flowprefill simulate --profile {out}/profile.json "
+        f"--profile-layers {executor.num_layers} --compare-measured {measured} "
+        "--systems flowprefill)"
+    )
+
+
+if __name__ == "__main__":
+    main()
