@@ -6,7 +6,14 @@ task parked, and resumes it at once. Granularities alternate prefill by prefill 
 the same machine conditions. Prints mean / p50 / p99 / max per granularity and the
 layer / operator ratios (the paper reports operator level 3.5–4.2× lower).
 
-    python benchmarks/preemption_blocking.py                 # demo-llama, 4096 tokens
+Signal moments are uniform over the prefill's *execution* time (wall time minus time
+parked): one per stratum of ``spacing`` ms, with ``spacing`` three times the longest
+checkpoint-to-checkpoint segment, so a signal's phase within a segment is uniform. (Waiting
+a random time after each resume instead would put signals near segment starts — right after
+the checkpoint the task resumed from — and overstate blocking.) A moment that falls inside
+the previous blocking interval is skipped.
+
+    python benchmarks/preemption_blocking.py                 # demo-llama, 2048 tokens
     python benchmarks/preemption_blocking.py --quick         # a short run
 """
 
@@ -33,7 +40,7 @@ from flowprefill.models import build_named, load_model, model_names
 @dataclass
 class Samples:
     blocking_ms: list[float] = field(default_factory=list)
-    num_missed: int = 0  # signals that arrived after the task had finished
+    num_skipped: int = 0  # moments that fell inside the previous blocking interval
     num_prefills: int = 0
     prefill_s: list[float] = field(default_factory=list)
 
@@ -42,44 +49,6 @@ def load(name_or_path: str) -> PreTrainedModel:
     if name_or_path in model_names():
         return build_named(name_or_path)  # in memory, no cache directory needed
     return load_model(name_or_path)
-
-
-def one_prefill(
-    executor: PreemptibleExecutor, prompt: torch.Tensor, max_gap_s: float, rng: random.Random
-) -> tuple[list[float], int, float]:
-    """Run one prefill while preempting it at random moments; return the blocking times."""
-    control = TaskControl("bench")
-    failure: list[BaseException] = []
-
-    def task() -> None:
-        try:
-            executor.run([prompt], control)
-        except BaseException as err:  # surfaced below
-            failure.append(err)
-        finally:
-            control.mark_done()
-
-    thread = threading.Thread(target=task, daemon=True)
-    start = time.perf_counter()
-    thread.start()
-    blocking_ms: list[float] = []
-    missed = 0
-    while not control.done:
-        time.sleep(rng.uniform(0.0, max_gap_s))
-        parked, blocking_s = control.request_preempt(timeout_s=60.0)
-        if not parked:
-            missed += 1
-            break
-        blocking_ms.append(blocking_s * 1e3)
-        control.resume()
-        # TaskControl clears ``parked`` on the task thread after it wakes; a signal
-        # raised before that would be refused as "already preempted".
-        while control.parked:
-            time.sleep(0)
-    thread.join()
-    if failure:
-        raise failure[0]
-    return blocking_ms, missed, time.perf_counter() - start
 
 
 class Stopwatch(TaskControl):
@@ -97,10 +66,9 @@ class Stopwatch(TaskControl):
 def segment_model(
     executor: PreemptibleExecutor, prompt: torch.Tensor, runs: int = 5
 ) -> tuple[float, float]:
-    """Expected blocking for a signal at a uniformly random moment, from the durations d of
-    the segments between checkpoints of uninterrupted prefills (median over ``runs`` per
-    segment): mean Σd²/(2Σd) (a random moment falls in long segments more often), and the
-    longest segment (the worst case)."""
+    """Blocking predicted from uninterrupted prefills: segment durations d between
+    checkpoints (median over ``runs`` per segment) give mean Σd²/(2Σd) for a signal at a
+    uniformly random moment (it falls in long segments more often) and max = longest d."""
     per_run: list[list[float]] = []
     for _ in range(runs):
         watch = Stopwatch()
@@ -113,14 +81,59 @@ def segment_model(
     return expected * 1e3, max(segments) * 1e3
 
 
+def one_prefill(
+    executor: PreemptibleExecutor, prompt: torch.Tensor, spacing_s: float, rng: random.Random
+) -> tuple[list[float], int, float]:
+    """One prefill preempted at random moments; returns (blocking ms, skipped, wall s)."""
+    control = TaskControl("bench")
+    failure: list[BaseException] = []
+
+    def task() -> None:
+        try:
+            executor.run([prompt], control)
+        except BaseException as err:  # surfaced below
+            failure.append(err)
+        finally:
+            control.mark_done()
+
+    thread = threading.Thread(target=task, daemon=True)
+    blocking_ms: list[float] = []
+    skipped = 0
+    parked_s = 0.0
+    start = time.perf_counter()
+    thread.start()
+    for stratum in itertools.count():
+        target_s = (stratum + rng.random()) * spacing_s  # on the execution clock
+        now_s = time.perf_counter() - start - parked_s
+        if target_s < now_s:
+            skipped += 1
+            continue
+        time.sleep(target_s - now_s)
+        parked, blocking_s = control.request_preempt(timeout_s=120.0)
+        if not parked:
+            break  # the prefill finished first
+        blocking_ms.append(blocking_s * 1e3)
+        acked = time.perf_counter()
+        control.resume()
+        # TaskControl clears ``parked`` on the task thread after it wakes; a signal
+        # raised before that would be refused as "already preempted".
+        while control.parked:
+            time.sleep(0)
+        parked_s += time.perf_counter() - acked
+    thread.join()
+    if failure:
+        raise failure[0]
+    return blocking_ms, skipped, time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo-llama", help="built-in name or local path")
-    parser.add_argument("--tokens", type=int, default=4096, help="prompt length")
-    parser.add_argument("--samples", type=int, default=300, help="samples per granularity")
-    parser.add_argument("--max-gap-ms", type=float, default=40.0, help="max random wait")
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length")
+    parser.add_argument("--samples", type=int, default=150, help="samples per granularity")
     parser.add_argument("--granularities", nargs="+", default=["operator", "layer"])
     parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--spacing-ms", type=float, default=None, help="override the strata")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1024 tokens, 40 samples")
@@ -135,16 +148,19 @@ def main() -> None:
     prompt = torch.randint(
         0, model.config.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(1)
     )
-    console.print(
-        f"model {args.model}, {args.tokens} tokens, {torch.get_num_threads()} threads, "
-        f"signals every U(0, {args.max_gap_ms:g}) ms"
-    )
-    samples = {g: Samples() for g in args.granularities}
     predicted: dict[str, tuple[float, float]] = {}
+    spacing_s: dict[str, float] = {}
     for granularity in args.granularities:
         with PreemptibleExecutor(model, granularity=granularity, chunk_size=args.chunk_size) as ex:
             ex.run([prompt])  # warm-up: first-call kernel setup would skew the segments
             predicted[granularity] = segment_model(ex, prompt)
+        spacing_ms = args.spacing_ms or 3 * predicted[granularity][1]
+        spacing_s[granularity] = spacing_ms / 1e3
+    console.print(
+        f"model {args.model}, {args.tokens} tokens, {torch.get_num_threads()} threads; "
+        "signal strata: " + ", ".join(f"{g} {s * 1e3:.0f} ms" for g, s in spacing_s.items())
+    )
+    samples = {g: Samples() for g in args.granularities}
     while any(len(s.blocking_ms) < args.samples for s in samples.values()):
         for granularity, bucket in samples.items():
             if len(bucket.blocking_ms) >= args.samples:
@@ -152,9 +168,9 @@ def main() -> None:
             with PreemptibleExecutor(
                 model, granularity=granularity, chunk_size=args.chunk_size
             ) as executor:
-                got, missed, wall_s = one_prefill(executor, prompt, args.max_gap_ms / 1e3, rng)
+                got, skipped, wall_s = one_prefill(executor, prompt, spacing_s[granularity], rng)
             bucket.blocking_ms.extend(got)
-            bucket.num_missed += missed
+            bucket.num_skipped += skipped
             bucket.num_prefills += 1
             bucket.prefill_s.append(wall_s)
         done = {g: len(s.blocking_ms) for g, s in samples.items()}
@@ -207,7 +223,7 @@ def report(
     console.print(table)
     console.print(
         "[dim]wall s: median prefill wall time including the preemptions. model: blocking "
-        "predicted from one uninterrupted prefill's checkpoint-to-checkpoint times "
+        "predicted from uninterrupted prefills' checkpoint-to-checkpoint times "
         "(mean Σd²/2Σd, max = longest segment)[/dim]"
     )
     if "operator" in stats and "layer" in stats:
