@@ -93,6 +93,9 @@ def run_bench(
         str(args.seed),
         "--out",
         str(out),
+        # Prompts are scaled down, so is the time they need: scale the SLOs alike.
+        "--slo-scale",
+        str(args.length_scale),
     ]
     if vllm_priority:
         cmd += ["--vllm-priority", "--class-header", ""]
