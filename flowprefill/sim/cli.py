@@ -49,6 +49,8 @@ def _systems(text: str) -> tuple[str, ...]:
     names: list[str] = []
     for item in (x.strip().lower() for x in text.split(",") if x.strip()):
         if item == "all":
+            names.extend(SYSTEMS)
+        elif item == "default":
             names.extend(DEFAULT_SYSTEMS)
         elif item == "paper":
             names.extend(PAPER_SYSTEMS)
@@ -78,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--systems",
         type=_systems,
         default=tuple(DEFAULT_SYSTEMS),
-        help=f"comma list, 'paper' or 'all' (default). Known: {', '.join(SYSTEMS)}",
+        help=f"comma list; 'paper', 'default' or 'all'. Known: {', '.join(SYSTEMS)}",
     )
     sw.add_argument("--target", type=float, default=0.9, help="attainment defining goodput")
     sw.add_argument("--tolerance", type=float, default=0.02, help="relative bisection precision")

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 
 from flowprefill.sim.sweep import SweepResult, SystemOutcome
 
@@ -58,6 +59,9 @@ def _plot_group(result: SweepResult, outcomes: list[SystemOutcome], title: str, 
     ax_rate.set_xlabel("request rate (req/s)")
     ax_slo.set_xlabel(f"SLO scale (at {result.reference_rate_rps:.2f} req/s)")
     ax_slo.set_xscale("log")
+    ax_slo.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax_slo.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax_slo.set_xticks([0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5])
     ax_rate.legend(fontsize=8)
     fig.suptitle(f"{title} — {result.cost_model}")
     fig.tight_layout()

@@ -31,6 +31,7 @@ RATE_GRID_FRACTIONS = tuple(0.05 * i for i in range(1, 17))
 SATURATION_REQUESTS = 600
 SATURATION_LOAD = 4.0
 """Saturation throughput: the first 600 requests at 4 × the bound, tokens / makespan."""
+CURVE_POINTS_PAST_TARGET = 3
 CURVE_FLOOR = 0.3
 """A curve stops at its first point below this attainment; that point's run stops as soon
 as its attainment is certain to be below it (deep overload costs O(queue) per round)."""
@@ -193,13 +194,19 @@ def evaluator(cfg: SweepConfig) -> Evaluator:
     return ev
 
 
-def _curve(point: Callable[[float], RunSummary], xs: list[float]) -> list[RunSummary]:
-    """Evaluate ``xs`` in order (easiest first) until attainment falls below the floor."""
+def _curve(
+    point: Callable[[float], RunSummary], xs: list[float], target: float
+) -> list[RunSummary]:
+    """Evaluate ``xs`` in order (easiest first) until attainment falls below the floor or
+    stays below ``target`` for ``CURVE_POINTS_PAST_TARGET`` points (past the knee every
+    point costs more and says less)."""
     out: list[RunSummary] = []
+    below = 0
     for x in xs:
         p = point(x)
         out.append(p)
-        if p.stopped_early or p.attainment < CURVE_FLOOR:
+        below = below + 1 if p.attainment < target else 0
+        if p.stopped_early or p.attainment < CURVE_FLOOR or below >= CURVE_POINTS_PAST_TARGET:
             break
     return out
 
@@ -208,7 +215,9 @@ def system_job(cfg: SweepConfig, name: str) -> SystemOutcome:
     ev = evaluator(cfg)
     spec = get_system(name)
     target = cfg.target
-    rate_curve = _curve(lambda r: ev.run(spec, r, 1.0, stop_below=CURVE_FLOOR), ev.rate_grid())
+    rate_curve = _curve(
+        lambda r: ev.run(spec, r, 1.0, stop_below=CURVE_FLOOR), ev.rate_grid(), target
+    )
     goodput = highest_passing(
         lambda r: ev.passes(spec, r, 1.0),
         [(p.rate, p.attainment >= target) for p in rate_curve],
@@ -219,6 +228,7 @@ def system_job(cfg: SweepConfig, name: str) -> SystemOutcome:
     slo_curve = _curve(
         lambda s: ev.run(spec, ref_rate, s, stop_below=CURVE_FLOOR),
         sorted(cfg.slo_scales, reverse=True),
+        target,
     )[::-1]
     tightest = lowest_passing(
         lambda s: ev.passes(spec, ref_rate, s),
@@ -286,7 +296,12 @@ def _jobs(cfg: SweepConfig) -> list[tuple[SweepConfig, str, str]]:
         for name in cfg.systems:
             seen.setdefault(get_system(name).oracle_key, name)
         jobs.extend((cfg, "oracle", name) for name in seen.values())
-    return jobs
+    # Slack-ranked policies keep late requests queued, so their overloaded runs cost the
+    # most: start them first so the two workers finish together.
+    return sorted(jobs, key=lambda j: (get_system(j[2]).policy not in _SLOW_POLICIES, j[1]))
+
+
+_SLOW_POLICIES = ("s-edf", "d-edf")
 
 
 def run_sweep(cfg: SweepConfig, *, progress: bool = True) -> SweepResult:
