@@ -6,9 +6,10 @@ For Llama-3-8B/A100 on the QwenTrace-like workload (Poisson, and bursty gamma CV
 
 * goodput of FlowPrefill, its oracle (instant, free preemption, same policy) and the
   work-conserving bound;
-* the named policies that try to close the distance: ``fp-headroom`` (batches keep half
-  the leader's slack free), ``fp-member`` (member-aware batching), ``fp-shed`` /
-  ``fp-shed-queue`` (gateway admission), and ``fp-nobatch`` for reference;
+* the named policies that try to close the distance: ``fp-plus`` (member-headroom
+  batching), ``fp-headroom`` (batches keep half the leader's slack free), ``fp-member``
+  (member-aware batching), ``fp-shed`` / ``fp-shed-queue`` (gateway admission), and
+  ``fp-nobatch`` for reference; plus saturation throughput on the single-SLO workload;
 * routing over 2 prefill instances: round-robin vs least-work vs slack.
 """
 
@@ -26,7 +27,15 @@ from flowprefill.sim.search import highest_passing
 from flowprefill.sim.sweep import evaluator
 from flowprefill.sim.systems import get_system
 
-POLICIES = ("flowprefill", "fp-headroom", "fp-member", "fp-shed", "fp-shed-queue", "fp-nobatch")
+POLICIES = (
+    "flowprefill",
+    "fp-plus",
+    "fp-headroom",
+    "fp-member",
+    "fp-shed",
+    "fp-shed-queue",
+    "fp-nobatch",
+)
 ROUTERS = ("round-robin", "least-work", "slack")
 
 
@@ -66,7 +75,7 @@ def main() -> None:
             instances=2,
             router=router,
         )
-        jobs.extend((cfg, name, False) for name in ("flowprefill", "fp-headroom"))
+        jobs.extend((cfg, name, False) for name in ("flowprefill", "fp-plus"))
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(goodput, jobs))
 
@@ -103,13 +112,24 @@ def main() -> None:
 
     routing = Table(title="Routing over 2 prefill instances (total goodput, req/s)")
     routing.add_column("router")
-    for name in ("flowprefill", "fp-headroom"):
+    for name in ("flowprefill", "fp-plus"):
         routing.add_column(name, justify="right")
     for router in ROUTERS:
         a, b = results[i][0], results[i + 1][0]
         routing.add_row(router, f"{a:.2f}", f"{b:.2f}")
         i += 2
     console.print(routing)
+
+    single = evaluator(
+        SweepConfig(workload=WorkloadSpec(kind="sharegpt", num_requests=args.num_requests))
+    )
+    sat = Table(title="Single-SLO ShareGPT-like: saturated throughput (paper Figure 14)")
+    sat.add_column("system")
+    sat.add_column("ktok/s", justify="right")
+    for name in ("distserve-cp2k", "flowprefill", "fp-plus", "fp-member", "fp-headroom"):
+        tput = single.saturation_tokens_per_s(get_system(name))
+        sat.add_row(name, f"{tput / 1e3:.2f}")
+    console.print(sat)
     console.print(f"wall time {time.perf_counter() - t0:.0f} s")
 
 

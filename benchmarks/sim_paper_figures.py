@@ -84,7 +84,7 @@ def main() -> None:
     # Paper Figure 14: single-SLO (chat only, < 2K tokens) — preemption checks cost nothing.
     single = SweepConfig(
         workload=WorkloadSpec(kind="sharegpt", num_requests=args.num_requests, seeds=seeds),
-        systems=("distserve-cp2k", "flowprefill"),
+        systems=("distserve-cp2k", "flowprefill", "fp-plus"),
         oracles=False,
         jobs=args.jobs,
     )
@@ -94,7 +94,7 @@ def main() -> None:
     table = Table(title="Single-SLO ShareGPT-like workload (paper Figure 14: equal throughput)")
     for col in ("system", "goodput req/s", "saturated ktok/s"):
         table.add_column(col)
-    for o in (cp2k, fp):
+    for o in res1.systems:
         table.add_row(o.label, f"{o.goodput_rps:.2f}", f"{o.saturation_tokens_per_s / 1e3:.2f}")
     console.print(table)
     ratio = fp.saturation_tokens_per_s / cp2k.saturation_tokens_per_s

@@ -32,7 +32,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "beyond": (
         "Beyond the paper",
-        ("flowprefill", "fp-member", "fp-shed", "fp-shed-queue"),
+        ("flowprefill", "fp-plus", "fp-member", "fp-headroom", "fp-shed", "fp-shed-queue"),
     ),
 }
 

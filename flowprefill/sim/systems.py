@@ -86,6 +86,8 @@ _ALL = (
     S("fp-member", "FlowPrefill, member-aware", "s-edf", "member-aware", 4096, OP, group="beyond"),
     S("fp-headroom", "FlowPrefill, headroom batching", "s-edf", "headroom", 4096, OP,
       group="beyond"),
+    S("fp-plus", "FlowPrefill+ (member-headroom)", "s-edf", "member-headroom", 4096, OP,
+      group="beyond"),
     S("fp-shed", "FlowPrefill, shed infeasible", "s-edf", "slo-aware", 4096, OP,
       admission="shed-infeasible", group="beyond"),
     S("fp-shed-queue", "FlowPrefill, shed queue-aware", "s-edf", "slo-aware", 4096, OP,
@@ -93,7 +95,7 @@ _ALL = (
 )  # fmt: skip
 SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in _ALL}
 PAPER_SYSTEMS = [s.name for s in _ALL if s.group == "paper"]
-DEFAULT_SYSTEMS = [s.name for s in _ALL if s.group != "beyond" or s.name in ("fp-headroom",)]
+DEFAULT_SYSTEMS = [s.name for s in _ALL if s.group != "beyond" or s.name == "fp-plus"]
 """Paper systems, ablations, and the beyond-the-paper policy that measurably helps
 (benchmarks/sim_beyond.py measures the others)."""
 

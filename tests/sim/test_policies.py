@@ -12,6 +12,7 @@ from flowprefill.sim.batching import (
     GreedyBatching,
     HeadroomBatching,
     MemberAwareBatching,
+    MemberHeadroomBatching,
     build_batching,
 )
 from flowprefill.sim.driver import Instance, Simulation
@@ -74,6 +75,21 @@ def test_headroom_keeps_half_the_leaders_slack_free() -> None:
     half = HeadroomBatching().form_batch(leader, cands, now_s=0, predict_s=P, token_budget=4096)
     assert ids(full) == ["L", "a", "b"]  # 0.7 s < 1.0 s
     assert ids(half) == ["L", "a"]  # 0.4 s < 0.5 s, 0.7 s is not
+
+
+def test_member_headroom_combines_both_rules() -> None:
+    leader = req("L", 0, 100, 1.0)
+    cands = [req("a", 0, 300, 0.9), req("b", 0, 300, 5.0), req("late", 0, 500, 0.1)]
+    batch = MemberHeadroomBatching().form_batch(
+        leader, cands, now_s=0, predict_s=P, token_budget=4096
+    )
+    # a: 0.4 s < 0.5 × min(1.0, 0.9) = 0.45 → in; b: 0.7 s ≥ 0.45 → out; late never joins.
+    assert ids(batch) == ["L", "a"]
+    late_leader = req("LL", 0, 300, 0.1)
+    batch = MemberHeadroomBatching().form_batch(
+        late_leader, cands, now_s=0, predict_s=P, token_budget=4096
+    )
+    assert ids(batch) == ["LL", "late"]
 
 
 def test_policy_names() -> None:
