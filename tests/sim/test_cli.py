@@ -52,3 +52,17 @@ def test_sweep_writes_json_and_figures(tmp_path: Path, capsys: pytest.CaptureFix
     assert [s["name"] for s in data["systems"]] == ["distserve-fcfs", "flowprefill", "sedf-layer"]
     assert (tmp_path / "fig9_end_to_end.png").stat().st_size > 1000
     assert "Against the paper" in capsys.readouterr().out
+
+
+def test_trace_replay_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.csv"
+    rows = [f"{i * 0.5},{300 + 97 * i % 4000},10" for i in range(60)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    assert run(["--trace", str(trace), "--rate", "4", "--systems", "flowprefill"]) == 0
+    assert "flowprefill" in capsys.readouterr().out
+
+
+def test_other_models_and_gpus_run(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "llama3-70b", "--gpu", "h100", "--num-requests", "60", "--rate", "1"]
+    assert run([*argv, "--systems", "flowprefill"]) == 0
+    assert "llama3-70b/h100/tp4" in capsys.readouterr().out
