@@ -216,6 +216,11 @@ def test_gateway_command_config_and_slo_table_mount() -> None:
         {"pool": "llama3-8b-prefill", "host": host, "port": 8100, "url": f"http://{host}:8100"}
     ]
     assert [e["port"] for e in gw["decode"]] == [8200]
+    # The gateway tokenizes with the prefill pool's model, mounted read-only at its path.
+    assert gw["tokenizer_path"] == "/models/llama"
+    model_mount = next(m for m in container["volumeMounts"] if m["name"] == "model")
+    assert model_mount["readOnly"] is True
+    assert gw["tokenizer_path"].startswith(model_mount["mountPath"])
 
 
 def view(

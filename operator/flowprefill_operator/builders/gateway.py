@@ -23,7 +23,7 @@ from .common import (
     owner_reference,
     pod_security_context,
 )
-from .pool import pool_port
+from .pool import model_volume, pool_port
 
 GATEWAY_CONFIG_PATH = "/etc/flowprefill/gateway.json"
 SLO_DIR = "/etc/flowprefill/slo"
@@ -64,11 +64,19 @@ def build_gateway_config(pools: list[PoolRef], settings: OperatorSettings) -> Ga
     ordered = sorted(pools, key=lambda p: p.name)
     return GatewayConfig(
         service=first.spec.service,
+        # The gateway tokenizes prompts with the model's own tokenizer (mounted read-only).
+        tokenizer_path=tokenizer_pool(pools).spec.model.path,
         model_name=next((p.spec.model.name for p in ordered if p.spec.model.name), None)
         or first.spec.service,
         prefill=[endpoint(p) for p in ordered if p.spec.role == "prefill"],
         decode=[endpoint(p) for p in ordered if p.spec.role == "decode"],
     )
+
+
+def tokenizer_pool(pools: list[PoolRef]) -> PoolRef:
+    """The pool whose model volume the gateway mounts for its tokenizer (a prefill pool)."""
+    ordered = sorted(pools, key=lambda p: p.name)
+    return next((p for p in ordered if p.spec.role == "prefill"), ordered[0])
 
 
 def _owners(pools: list[PoolRef]) -> list[dict[str, Any]]:
@@ -108,6 +116,9 @@ def build_gateway_children(
         {"name": "slo", "mountPath": SLO_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
     ]  # fmt: skip
+    model_volumes, model_mounts = model_volume(tokenizer_pool(pools).spec)
+    volumes += model_volumes
+    mounts += model_mounts
     container = {
         "name": "gateway",
         "image": settings.gateway_image,

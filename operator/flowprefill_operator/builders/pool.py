@@ -99,7 +99,7 @@ def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
     return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
 
 
-def _model_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def model_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     model = spec.model
     if model.pvc:
         volume = {
@@ -134,7 +134,7 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
     spec = pool.spec
     labels = component_labels(spec.service, spec.role) | pool_selector(pool.name)
     volumes, mounts = scratch_volumes()
-    model_volumes, model_mounts = _model_volume(spec)
+    model_volumes, model_mounts = model_volume(spec)
     volumes += model_volumes
     mounts += model_mounts
     if spec.kv_handoff:
