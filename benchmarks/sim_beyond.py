@@ -10,6 +10,8 @@ For Llama-3-8B/A100 on the QwenTrace-like workload (Poisson, and bursty gamma CV
   batching), ``fp-headroom`` (batches keep half the leader's slack free), ``fp-member``
   (member-aware batching), ``fp-shed`` / ``fp-shed-queue`` (gateway admission), and
   ``fp-nobatch`` for reference; plus saturation throughput on the single-SLO workload;
+* the same with the running task's progress refreshed every round (``live progress``,
+  the proposed one-line engine change);
 * routing over 2 prefill instances: round-robin vs least-work vs slack.
 """
 
@@ -37,6 +39,8 @@ POLICIES = (
     "fp-nobatch",
 )
 ROUTERS = ("round-robin", "least-work", "slack")
+LIVE = ("flowprefill", "fp-plus")
+"""Run again with the running task's progress refreshed every round (proposed engine fix)."""
 
 
 def goodput(job: tuple[SweepConfig, str, bool]) -> tuple[float, float]:
@@ -69,6 +73,8 @@ def main() -> None:
         )
         jobs.append((cfg, "flowprefill", True))
         jobs.extend((cfg, name, False) for name in POLICIES)
+        live = cfg.model_copy(update={"live_progress": True})
+        jobs.extend((live, name, False) for name in LIVE)
     for router in ROUTERS:
         cfg = SweepConfig(
             workload=WorkloadSpec(num_requests=args.num_requests, seeds=seeds),
@@ -106,8 +112,18 @@ def main() -> None:
                 f"{100 * g / oracle:.0f}",
                 f"{100 * g / bound:.0f}",
             )
+        for k, name in enumerate(LIVE):
+            g, _ = results[i + 1 + len(POLICIES) + k]
+            table.add_row(
+                arrival,
+                f"{name} + live progress",
+                f"{g:.2f}",
+                f"{g / base:.2f}×",
+                f"{100 * g / oracle:.0f}",
+                f"{100 * g / bound:.0f}",
+            )
         table.add_row(arrival, "work-conserving bound", f"{bound:.2f}", "", "", "100")
-        i += 1 + len(POLICIES)
+        i += 1 + len(POLICIES) + len(LIVE)
     console.print(table)
 
     routing = Table(title="Routing over 2 prefill instances (total goodput, req/s)")

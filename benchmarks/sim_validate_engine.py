@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -29,6 +30,7 @@ from flowprefill.backend import profile_executor
 from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.models import build_named
+from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.sim.config import CostSpec, SweepConfig
 from flowprefill.sim.validate import compare_with_measured, load_measured
 from flowprefill.sim.workload import qwen_like
@@ -44,6 +46,19 @@ def apply_pending_engine_fix() -> None:
     if state.FINISHED not in allowed[state.PREEMPTED]:
         allowed[state.PREEMPTED] = allowed[state.PREEMPTED] | {state.FINISHED}
         print("note: patched request.py's PREEMPTED → FINISHED transition for this run")
+
+
+def measure_again(
+    executor: PreemptibleExecutor, predictor: TTFTPredictor, gen: torch.Generator
+) -> list[tuple[int, float]]:
+    """One timed prefill per profiled length."""
+    out = []
+    for n, _ in predictor.samples:
+        ids = torch.randint(0, executor.vocab_size, (n,), generator=gen)
+        t0 = time.perf_counter()
+        executor.prefill([ids])
+        out.append((n, time.perf_counter() - t0))
+    return out
 
 
 def main() -> None:
@@ -82,6 +97,7 @@ def main() -> None:
 
         records = []
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         with PrefillEngine(executor, predictor) as engine:
             start = time.monotonic() + 0.2
             futures = []
@@ -108,16 +124,43 @@ def main() -> None:
                     }
                 )
             engine_blocking = list(engine.blocking_times_s)
-        print(f"engine served {len(records)} requests in {time.perf_counter() - t0:.0f} s")
+        serve_cpu_s = time.process_time() - cpu0
+        print(
+            f"engine served {len(records)} requests in {time.perf_counter() - t0:.0f} s "
+            f"using {serve_cpu_s:.1f} s of CPU"
+        )
+        # Drift check: time the profiled lengths again right after serving. On a shared
+        # box the same prefill can run 30 % slower minutes later (other tenants, clocks).
+        post = [(n, t) for n, t in measure_again(executor, predictor, gen)]
+        drift = statistics.median(t / predictor.predict_s(n) for n, t in post)
+        print(
+            f"after serving, profiled prefills take {drift:.2f}× the profile's prediction "
+            f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+        )
 
     measured = out / "measured.jsonl"
     measured.write_text("".join(json.dumps(r) + "\n" for r in records))
-    cost = CostSpec(profile=str(out / "profile.json"), profile_layers=executor.num_layers)
-    for live in (True, False):
-        cfg = SweepConfig(cost=cost, systems=("flowprefill",), live_progress=live)
-        rep = compare_with_measured(cfg, load_measured(measured), system="flowprefill")
-        mode = "simulator (live progress)" if live else "simulator (engine progress) "
-        print(f"{mode}: {rep.summary()}")
+    drifted = predictor.model_copy(
+        update={
+            "coefficients": [c * drift for c in predictor.coefficients],
+            "min_latency_s": predictor.min_latency_s * drift,
+        }
+    )
+    drifted.save(out / "profile-after.json")
+    for label, path in (
+        ("profile before serving", "profile.json"),
+        ("× drift", "profile-after.json"),
+    ):
+        cost = CostSpec(profile=str(out / path), profile_layers=executor.num_layers)
+        for live in (False, True):
+            cfg = SweepConfig(cost=cost, systems=("flowprefill",), live_progress=live)
+            rep = compare_with_measured(cfg, load_measured(measured), system="flowprefill")
+            mode = "live progress (proposed engine fix)" if live else "as the engine"
+            print(f"simulator ({label}, {mode}): {rep.summary()}")
+        print(
+            f"  work: engine CPU {serve_cpu_s:.1f} s vs simulated device time "
+            f"{rep.simulated_work_s:.1f} s"
+        )
     if engine_blocking:
         mean_ms = 1e3 * statistics.fmean(engine_blocking)
         print(

@@ -91,9 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sw.add_argument("--instances", type=int, default=1, help="prefill instances")
     sw.add_argument("--router", default="round-robin", help=f"one of {', '.join(ROUTERS)}")
     sw.add_argument(
-        "--engine-progress",
+        "--live-progress",
         action="store_true",
-        help="refresh task progress only at preemption, exactly as the engine loop does",
+        help="refresh the running task's progress every round (the proposed engine fix); "
+        "default: only at preemption, as the engine's loop does today",
     )
     sw.add_argument("--jobs", type=int, default=2, help="worker processes")
     one = parser.add_argument_group("single run")
@@ -141,7 +142,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         oracles=not args.no_oracles,
         instances=args.instances,
         router=args.router,
-        live_progress=not args.engine_progress,
+        live_progress=args.live_progress,
         jobs=args.jobs,
         **extra,
     )

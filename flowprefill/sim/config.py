@@ -118,7 +118,11 @@ class SweepConfig(BaseModel):
     oracles: bool = Field(True, description="Also find each policy's instant-preemption oracle.")
     instances: int = Field(1, description="Prefill instances behind the gateway.")
     router: str = Field("round-robin", description="Gateway routing across instances.")
-    live_progress: bool = Field(True, description="Refresh running task progress each round.")
+    live_progress: bool = Field(
+        False,
+        description="Refresh the running task's progress before each round (proposed engine "
+        "change); off = exactly what the engine's loop does today.",
+    )
     jobs: int = Field(2, description="Worker processes.")
 
     def check(self) -> None:

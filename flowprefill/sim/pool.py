@@ -43,6 +43,8 @@ class SimulatedPool:
     chunk_size: int | None = None
     running: Task | None = None
     blocking_s: list[float] = field(default_factory=list)
+    work_s: float = 0.0
+    """Device time of every task submitted so far (each runs to its end eventually)."""
     _runs: dict[int, _Run] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- commands
@@ -56,6 +58,7 @@ class SimulatedPool:
             self.cost, lengths, granularity=self.granularity, chunk_size=self.chunk_size
         )
         self._runs[task.task_id] = _Run(plan)
+        self.work_s += plan.total_s
         return self.resume(task, now_s)
 
     def resume(self, task: Task, now_s: float) -> float:

@@ -136,7 +136,7 @@ def build_instance(
     cost: CostModel,
     predict_s: Callable[[int], float],
     *,
-    live_progress: bool = True,
+    live_progress: bool = False,
 ) -> Instance:
     scheduler = Scheduler(
         predict_s=predict_s,
@@ -159,7 +159,7 @@ def run_system(
     num_instances: int = 1,
     router: str = "round-robin",
     miss_budget: int | None = None,
-    live_progress: bool = True,
+    live_progress: bool = False,
 ) -> SimResult:
     """One simulated run of ``workload`` at ``rate`` req/s (over all instances)."""
     predict_s = cached_predict(predictor or fit_predictor(cost))

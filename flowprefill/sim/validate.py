@@ -79,6 +79,8 @@ class ValidationReport:
     max_abs_error_ms: float
     attainment_measured: float
     attainment_simulated: float
+    simulated_work_s: float
+    """Device time the simulated engine spent (compare with the engine's CPU time)."""
     mean_ttft_ms: dict[str, tuple[float, float]]
     """class → (measured, simulated) mean TTFT, over the requests both finished."""
     pairs: list[tuple[str, float, float]]
@@ -144,6 +146,7 @@ def compare_with_measured(
         max_abs_error_ms=1e3 * max(abs_s),
         attainment_measured=met_measured / len(records),
         attainment_simulated=result.attainment,
+        simulated_work_s=instance.pool.work_s,
         mean_ttft_ms=mean_ttft_ms,
         pairs=pairs,
     )
