@@ -35,7 +35,10 @@ _TERMINAL = frozenset({RequestState.FINISHED, RequestState.CANCELLED, RequestSta
 _ALLOWED: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset({RequestState.RUNNING}) | _TERMINAL - {RequestState.FINISHED},
     RequestState.RUNNING: frozenset({RequestState.PREEMPTED}) | _TERMINAL,
-    RequestState.PREEMPTED: frozenset({RequestState.RUNNING}) | _TERMINAL - {RequestState.FINISHED},
+    # PREEMPTED -> FINISHED: a preempt can race with the task's last operator; the pool
+    # then reports "finished, not parked" and the completion event arrives for a task the
+    # scheduler had already moved to Q_p.
+    RequestState.PREEMPTED: frozenset({RequestState.RUNNING}) | _TERMINAL,
 }
 
 

@@ -203,3 +203,18 @@ def test_invariants_hold_after_every_event(ops, policy, batching, budget) -> Non
         # Never submitted twice.
         assert len(submitted) == len(set(submitted))
         assert s.stats.num_command_rounds <= s.stats.num_rounds
+
+
+def test_preempt_that_races_with_completion_finishes_cleanly() -> None:
+    """The pool may report that a task it was asked to preempt had already finished."""
+    s = Scheduler(predict_s=per_token(1.0), batching=get_batching("none"))
+    s.add(req("A", 1000, arrival=1.0, slo=10.0))
+    s.schedule(1.0)
+    task_a = s.running
+    s.add(req("B", 10, arrival=1.5, slo=0.1))
+    assert kinds(s.schedule(1.5))[0] == ("preempt", ["A"])
+    assert task_a is not None and task_a.task_id in s.preempted
+    s.finish(task_a, 1.51)  # its completion event: it finished before the checkpoint
+    assert task_a.leader.state is RequestState.FINISHED
+    assert task_a.task_id not in s.preempted
+    assert s.schedule(1.52).commands == []  # B keeps running; nothing to resume
