@@ -93,6 +93,15 @@ class _Observer:
     def on_completion(self, event: Completion, now_s: float) -> None:
         self.engine._complete(event)
 
+    def on_crash(self, error: BaseException) -> None:
+        self.engine._accepting = False
+        for fut in list(self.engine._futures.values()):
+            if not fut.done():
+                fut.set_exception(
+                    RuntimeError(f"prefill scheduler failed: {type(error).__name__}: {error}")
+                )
+        self.engine._futures.clear()
+
     def on_cancelled(self, request: Request | None, request_id: str) -> None:
         fut = self.engine._futures.pop(request_id, None)
         if fut is not None and not fut.done():

@@ -170,3 +170,22 @@ def test_metrics_are_exported() -> None:
     assert 'flowprefill_prefill_ttft_seconds_count{slo_class="chat"} 1.0' in text
     assert "flowprefill_prefill_preemption_blocking_seconds_count 1.0" in text
     assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="chat"} 1.0' in text
+
+
+def test_a_scheduler_crash_fails_waiting_callers_instead_of_hanging(monkeypatch) -> None:
+    eng = PrefillEngine(SteppedBackend(), PREDICTOR, batching="none").start()
+    long_f = eng.submit(prompt(1, 10_000), ttft_slo_s=30.0)
+    time.sleep(0.02)
+
+    def broken(now_s: float):
+        raise RuntimeError("bug in a round")
+
+    monkeypatch.setattr(eng.scheduler, "schedule", broken)
+    short_f = eng.submit(prompt(2, 100), ttft_slo_s=1.0)
+    with pytest.raises(RuntimeError, match="prefill scheduler failed"):
+        short_f.result(timeout=5)
+    with pytest.raises(RuntimeError, match="prefill scheduler failed"):
+        long_f.result(timeout=5)
+    with pytest.raises(EngineClosedError):
+        eng.submit(prompt(3, 10), ttft_slo_s=1.0)
+    eng.close(drain=False)

@@ -63,6 +63,7 @@ class LoopObserver(Protocol):
     def on_preempt(self, task: Task, outcome: Any) -> None: ...
     def on_completion(self, event: Completion, now_s: float) -> None: ...
     def on_cancelled(self, request: Request | None, request_id: str) -> None: ...
+    def on_crash(self, error: BaseException) -> None: ...
 
 
 class SchedulerLoop:
@@ -116,8 +117,9 @@ class SchedulerLoop:
                         break
                 if not self._handle(events):
                     return
-        except BaseException:  # pragma: no cover - a bug; make it visible, don't hang callers
+        except BaseException as e:  # a bug: make it visible, and never leave callers hanging
             log.exception("scheduler loop crashed")
+            self.observer.on_crash(e)
             raise
         finally:
             self._stopped.set()
