@@ -189,3 +189,22 @@ def test_a_scheduler_crash_fails_waiting_callers_instead_of_hanging(monkeypatch)
     with pytest.raises(EngineClosedError):
         eng.submit(prompt(3, 10), ttft_slo_s=1.0)
     eng.close(drain=False)
+
+
+def test_rounds_see_the_running_tasks_progress() -> None:
+    seen: list[float] = []
+    with PrefillEngine(SteppedBackend(), PREDICTOR, batching="none") as eng:
+        original = eng.scheduler.schedule
+
+        def spy(now_s: float):
+            if eng.scheduler.running is not None:
+                seen.append(eng.scheduler.running.progress)
+            return original(now_s)
+
+        eng.scheduler.schedule = spy  # type: ignore[method-assign]
+        long_f = eng.submit(prompt(1, 10_000), ttft_slo_s=30.0)  # ~0.4 s, 200 checkpoints
+        time.sleep(0.2)
+        eng.submit(prompt(2, 100), ttft_slo_s=60.0).result(timeout=10)  # a round mid-way
+        assert long_f.result(timeout=10).output == 10
+    # The arrival's round ranked the long task with how far it really got (about half).
+    assert seen and 0.1 < seen[0] < 0.95

@@ -29,6 +29,7 @@ class Pool(Protocol):
     def resume(self, task: Task) -> None: ...
     def cancel(self, task: Task) -> None: ...
     def release(self, task: Task) -> None: ...
+    def progress(self, task: Task) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,10 @@ class SchedulerLoop:
                 keep_going = False
         if not keep_going:
             return False
+        running = self.scheduler.running
+        if running is not None:
+            # S-EDF needs the running task's true remaining time: read how far it got.
+            running.progress = self.pool.progress(running)
         out = self.scheduler.schedule(self.clock())
         for cmd in out.commands:
             if cmd.kind is CommandKind.PREEMPT:
