@@ -27,7 +27,7 @@ WHY = {
     "goodput FlowPrefill / DistServe FCFS": (
         "FCFS goodput is the low end of the scale and hinges on arrival burstiness: with "
         "Poisson arrivals FCFS sustains 1.5 req/s, with gamma CV=2 arrivals only 0.21 "
-        "(FlowPrefill 7.4: 35×); QwenTrace's real arrivals lie between, and single "
+        "(FlowPrefill 6.4: 30×); QwenTrace's real arrivals lie between, and single "
         "3000-request workloads move FCFS goodput by ±9 %"
     ),
     "goodput FlowPrefill / DistServe-CP8K": (
@@ -81,7 +81,8 @@ def main() -> None:
     notes.add_column("why")
     for f in paper_comparison(result):
         ours = "—" if f.ours is None else f"{f.ours:.2f}"
-        notes.add_row(f.label, ours, f.paper, WHY.get(f.label, "within the paper's range"))
+        why = "within the paper's range" if f.verdict == "in range" else WHY.get(f.label, "")
+        notes.add_row(f.label, ours, f"{f.paper} ({f.verdict})", why)
     console.print(notes)
 
     # Paper Figure 14: single-SLO (chat only, < 2K tokens) — preemption checks cost nothing.
@@ -105,7 +106,8 @@ def main() -> None:
     write_json(res1, out / "single_slo.json")
     summary = {
         "paper_comparison": [
-            {"figure": f.label, "ours": f.ours, "paper": f.paper} for f in paper_comparison(result)
+            {"figure": f.label, "ours": f.ours, "paper": f.paper, "verdict": f.verdict}
+            for f in paper_comparison(result)
         ],
         "single_slo_throughput_ratio": ratio,
         "wall_s": time.perf_counter() - t0,

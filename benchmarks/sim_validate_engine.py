@@ -137,6 +137,12 @@ def main() -> None:
             f"after serving, profiled prefills take {drift:.2f}× the profile's prediction "
             f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
         )
+        fit = predictor.fit_error
+        if not 0.9 <= drift <= 1.1 or (fit is not None and fit.mean_abs_pct > 5):
+            print(
+                "WARNING: the machine's speed changed during the run (other tenants?): "
+                "the comparison below measures that noise; rerun on a quiet machine"
+            )
 
     measured = out / "measured.jsonl"
     measured.write_text("".join(json.dumps(r) + "\n" for r in records))

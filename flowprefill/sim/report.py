@@ -20,6 +20,19 @@ class PaperFigure:
     label: str
     ours: float | None
     paper: str
+    low: float
+    high: float
+    """The paper's range; "up to X" is (1, X]; a single value counts within ±20 %."""
+
+    @property
+    def verdict(self) -> str:
+        if self.ours is None:
+            return "—"
+        if self.ours < self.low:
+            return "below"
+        if self.ours > self.high:
+            return "above"
+        return "in range"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -48,34 +61,48 @@ def paper_comparison(result: SweepResult) -> list[PaperFigure]:
             "goodput FlowPrefill / DistServe FCFS",
             _ratio(fp_goodput, goodput("distserve-fcfs")),
             "4.7–5.6×",
+            4.7,
+            5.6,
         ),
         PaperFigure(
             "goodput FlowPrefill / DistServe-CP2K",
             _ratio(fp_goodput, goodput("distserve-cp2k")),
             "up to 2.0×",
+            1.0,
+            2.0,
         ),
         PaperFigure(
             "goodput FlowPrefill / DistServe-CP8K",
             _ratio(fp_goodput, goodput("distserve-cp8k")),
             "up to 4.5×",
+            1.0,
+            4.5,
         ),
         PaperFigure(
             "tighter SLO vs CP2K (scale CP2K / FlowPrefill)",
             _ratio(scale("distserve-cp2k"), fp_scale),
             "1.5–2.3×",
+            1.5,
+            2.3,
         ),
         PaperFigure(
             "tighter SLO vs CP8K (scale CP8K / FlowPrefill)",
             _ratio(scale("distserve-cp8k"), fp_scale),
             "2.1–3.1×",
+            2.1,
+            3.1,
         ),
-        PaperFigure("operator-level blocking, mean (ms)", fp_mean, "2.6 ms"),
+        PaperFigure("operator-level blocking, mean (ms)", fp_mean, "2.6 ms", 2.08, 3.12),
         PaperFigure(
             "operator-level blocking, max (ms)",
             fp.reference.blocking_max_ms if fp else None,
             "< 4.5 ms",
+            0.0,
+            4.5,
         ),
-        PaperFigure("blocking layer / operator (mean)", _ratio(layer_mean, fp_mean), "3.5–4.2×"),
+        PaperFigure(
+            "blocking layer / operator (mean)", _ratio(layer_mean, fp_mean), "3.5–4.2×", 3.5, 4.2
+        ),
     ]
 
 
@@ -150,8 +177,9 @@ def paper_table(result: SweepResult) -> Table:
     table.add_column("figure")
     table.add_column("ours", justify="right")
     table.add_column("paper", justify="right")
+    table.add_column("")
     for f in paper_comparison(result):
-        table.add_row(f.label, _fmt(f.ours), f.paper)
+        table.add_row(f.label, _fmt(f.ours), f.paper, f.verdict)
     return table
 
 
@@ -177,7 +205,8 @@ def _finite(obj: object) -> object:
 def write_json(result: SweepResult, path: Path) -> None:
     payload = result.to_json()
     payload["paper_comparison"] = [
-        {"figure": f.label, "ours": f.ours, "paper": f.paper} for f in paper_comparison(result)
+        {"figure": f.label, "ours": f.ours, "paper": f.paper, "verdict": f.verdict}
+        for f in paper_comparison(result)
     ]
     path.write_text(json.dumps(_finite(payload), indent=2) + "\n")
 
