@@ -20,6 +20,10 @@ class UnknownNameError(FlowPrefillError, ValueError):
         self.known = tuple(known)
         super().__init__(f"unknown {what} {name!r}; expected one of: {', '.join(self.known)}")
 
+    def __reduce__(self) -> tuple[type[UnknownNameError], tuple[str, str, tuple[str, ...]]]:
+        # Picklable, so a worker process can raise it back to a multiprocessing pool.
+        return (type(self), (self.what, self.name, self.known))
+
 
 class UnknownTaskError(FlowPrefillError, KeyError):
     """A command named a task the execution pool does not hold."""

@@ -92,9 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sw.add_argument("--router", default="round-robin", help=f"one of {', '.join(ROUTERS)}")
     sw.add_argument(
         "--live-progress",
-        action="store_true",
-        help="refresh the running task's progress every round (the proposed engine fix); "
-        "default: only at preemption, as the engine's loop does today",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="refresh the running task's progress every round, as the engine's loop does; "
+        "--no-live-progress models the earlier engine that refreshed it only at preemption",
     )
     sw.add_argument("--jobs", type=int, default=2, help="worker processes")
     one = parser.add_argument_group("single run")

@@ -119,9 +119,9 @@ class SweepConfig(BaseModel):
     instances: int = Field(1, description="Prefill instances behind the gateway.")
     router: str = Field("round-robin", description="Gateway routing across instances.")
     live_progress: bool = Field(
-        False,
-        description="Refresh the running task's progress before each round (proposed engine "
-        "change); off = exactly what the engine's loop does today.",
+        True,
+        description="Refresh the running task's progress before each round, as the engine's "
+        "loop does; off = the earlier engine, which refreshed it only at preemption.",
     )
     jobs: int = Field(2, description="Worker processes.")
 
