@@ -122,6 +122,7 @@ def main() -> None:
         decode_env,
         machine_scale,
         slo_table,
+        vllm_server_command,
     )
 
     console = Console()
@@ -165,27 +166,17 @@ def main() -> None:
                 cmd += ["--policy", "fcfs"]
             ready = f"http://127.0.0.1:{port}/ready"
         else:
-            cmd = [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(model_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                "float32",
-                "--enforce-eager",
-                "--max-model-len",
-                "8192",
-                "--scheduling-policy",
-                "priority",
-                "--enable-chunked-prefill",
-                "--max-num-batched-tokens",
-                "2048",
-            ]
+            cmd = vllm_server_command(
+                model_dir,
+                port,
+                extra=[
+                    "--scheduling-policy",
+                    "priority",
+                    "--enable-chunked-prefill",
+                    "--max-num-batched-tokens",
+                    "2048",
+                ],
+            )
             ready = f"http://127.0.0.1:{port}/health"
         url = f"http://127.0.0.1:{port}"
         model_name = str(model_dir)  # both the gateway and vLLM serve it under its path

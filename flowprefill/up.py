@@ -142,10 +142,22 @@ def check_decode_head_dim(model_dir: Path) -> None:
         )
 
 
+def vllm_server_command(
+    model_dir: Path, port: int, max_model_len: int = 8192, extra: list[str] | None = None
+) -> list[str]:
+    """vLLM's OpenAI server on loopback with CPU-friendly settings (float32, eager)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+        "--max-model-len", str(max_model_len), "--served-model-name", str(model_dir),
+        *(extra or []),
+    ]  # fmt: skip
+
+
 def decode_command(
     model_dir: Path, port: int, kv_dir: Path, max_model_len: int = 8192
 ) -> list[str]:
-    """vLLM's OpenAI server as a KV consumer of our hand-offs (CPU-friendly settings)."""
+    """A decode instance: vLLM as a KV consumer of our hand-offs."""
     from flowprefill.kv import kv_transfer_config
 
     kv_config = {
@@ -153,27 +165,12 @@ def decode_command(
         # An unusable hand-off must mean "recompute", never a failed request.
         "kv_load_failure_policy": "recompute",
     }
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        str(max_model_len),
-        "--served-model-name",
-        str(model_dir),
-        "--enable-prompt-tokens-details",
-        "--kv-transfer-config",
-        json.dumps(kv_config),
-    ]
+    return vllm_server_command(
+        model_dir,
+        port,
+        max_model_len,
+        ["--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv_config)],
+    )
 
 
 def decode_env(run_dir: Path) -> dict[str, str]:
