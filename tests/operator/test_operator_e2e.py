@@ -378,13 +378,21 @@ def test_operator_restart_changes_nothing(cluster: Cluster) -> None:
     create(cluster, pool("m-decode", "m", role="decode"), ns)
     wait_for(lambda: cluster.names("Deployment", ns) == {"m-prefill", "m-decode", "m-gateway"})
 
-    # Settled: two consecutive snapshots a few timer periods apart are equal.
+    # Settled: every periodic job has written once (the attainment job writes the class's
+    # window even with no gateway traffic; on a loaded machine its first write can come
+    # late), then two snapshots a few timer periods apart are equal.
+    wait_for(
+        lambda: "requestCount" in (cluster.get("SLOClass", ns, "chat").get("status") or {}),
+        60,
+        "the attainment job's first write",
+    )
+
     def settled() -> dict[tuple[str, str], str] | None:
         before = snapshot(cluster, ns)
-        time.sleep(2.5)
+        time.sleep(3.0)
         return before if snapshot(cluster, ns) == before else None
 
-    before = wait_for(settled, 30, "a settled namespace")
+    before = wait_for(settled, 60, "a settled namespace")
     cluster.operator.stop()
     cluster.operator.start()
     started = time.time()
