@@ -247,31 +247,37 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             return
         if state.decode_pool is None or state.decode_client is None:
             raise UpstreamError(503, "this gateway has no decode instances", "no_decode")
-        inst = state.decode_pool.pick(deadline_s=job.deadline_s, num_tokens=budget)
-        state.decode_pool.begin(inst, job.request_id, job.deadline_s, budget)
         finish: str | None = None
-        try:
-            async for delta in state.decode_client.stream(
-                inst.url,
-                prompt_token_ids=[*job.token_ids, answer.first_token_id],
-                max_tokens=budget,
-                sampling=job.body.decode_sampling(),
-                kv_transfer_params=answer.kv_transfer_params,
-                headers=job.forward_headers(state.clock()),
-                request_id=job.request_id,
-            ):
-                if delta.completion_tokens is not None:
-                    job.completion_tokens = 1 + delta.completion_tokens
-                if delta.text or delta.finish_reason:
-                    finish = delta.finish_reason or finish
-                    yield delta.text, delta.finish_reason
-            state.decode_pool.mark_success(inst)
-        except UpstreamError as e:
-            if e.status >= 500:
-                state.decode_pool.mark_failure(inst)
-            raise
-        finally:
-            state.decode_pool.end(inst, job.request_id)
+        for attempt in range(2):
+            inst = state.decode_pool.pick(deadline_s=job.deadline_s, num_tokens=budget)
+            state.decode_pool.begin(inst, job.request_id, job.deadline_s, budget)
+            try:
+                async for delta in state.decode_client.stream(
+                    inst.url,
+                    prompt_token_ids=[*job.token_ids, answer.first_token_id],
+                    max_tokens=budget,
+                    sampling=job.body.decode_sampling(),
+                    kv_transfer_params=answer.kv_transfer_params,
+                    headers=job.forward_headers(state.clock()),
+                    request_id=job.request_id,
+                ):
+                    if delta.completion_tokens is not None:
+                        job.completion_tokens = 1 + delta.completion_tokens
+                    if delta.text or delta.finish_reason:
+                        finish = delta.finish_reason or finish
+                        yield delta.text, delta.finish_reason
+                state.decode_pool.mark_success(inst)
+                break
+            except UpstreamError as e:
+                if e.status >= 500:
+                    state.decode_pool.mark_failure(inst)
+                # A refused connection means the instance never saw the request, so another
+                # one may take it (the hand-off is in shared storage; a decode that cannot
+                # read it recomputes). Anything later could duplicate output: give up.
+                if not (e.retryable and attempt == 0):
+                    raise
+            finally:
+                state.decode_pool.end(inst, job.request_id)
         if finish is None:
             yield "", "length"
 

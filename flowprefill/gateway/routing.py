@@ -11,7 +11,10 @@ Policies, by name:
 * ``least-loaded`` — fewest in-flight requests (decode pools).
 
 An instance that fails (connection error, 5xx) is taken out of rotation for a back-off
-that doubles per consecutive failure; a background probe of ``/ready`` brings it back.
+that doubles per consecutive failure (1 s, 2 s, ... 30 s). When it expires, the next
+request may be sent there again: a refused connection is retried once on another instance
+(the gateway does this for prefill and decode), so probing a dead instance costs no
+request; a success clears the count.
 """
 
 from __future__ import annotations
