@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowprefill.errors import InvalidRequestError
-from flowprefill.scheduler.batching import BATCHING
+from flowprefill.scheduler.batching import BATCHING, batching_key
 from flowprefill.scheduler.policies import POLICIES
 
 Granularity = Literal["operator", "layer", "none"]
@@ -54,7 +54,7 @@ class EngineConfig(BaseModel):
                 f"unknown scheduling policy {self.policy!r}; expected one of: "
                 + ", ".join(sorted(POLICIES))
             )
-        if self.batching.lower() not in BATCHING:
+        if batching_key(self.batching) not in BATCHING:
             raise InvalidRequestError(
                 f"unknown batching policy {self.batching!r}; expected one of: "
                 + ", ".join(sorted(BATCHING))

@@ -22,9 +22,9 @@ from functools import lru_cache
 
 from flowprefill.errors import UnknownNameError
 from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.scheduler.batching import get_batching
 from flowprefill.scheduler.core import Scheduler
 from flowprefill.scheduler.policies import get_policy
-from flowprefill.sim.batching import build_batching
 from flowprefill.sim.cost import CostModel
 from flowprefill.sim.driver import Instance, SimResult, Simulation
 from flowprefill.sim.gateway import get_admission, get_router
@@ -141,7 +141,7 @@ def build_instance(
     scheduler = Scheduler(
         predict_s=predict_s,
         policy=get_policy(spec.policy),
-        batching=build_batching(spec.batching),
+        batching=get_batching(spec.batching),
         token_budget=spec.token_budget,
     )
     pool = SimulatedPool(cost, spec.granularity, spec.chunk_size)

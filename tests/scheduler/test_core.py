@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowprefill.errors import InvalidRequestError, UnknownNameError, UnknownTaskError
 from flowprefill.request import Request, RequestState, Task
-from flowprefill.scheduler.batching import get_batching
-from flowprefill.scheduler.core import CommandKind, Scheduler
+from flowprefill.scheduler.batching import BATCHING, get_batching
+from flowprefill.scheduler.core import CommandKind, Scheduler, SchedulerOutput
 from flowprefill.scheduler.policies import SlackEDF, get_policy
 
 
-def per_token(ms: float = 1.0):
+def per_token(ms: float = 1.0) -> Callable[[int], float]:
     return lambda n: n * ms / 1000.0
 
 
@@ -21,7 +23,7 @@ def req(rid: str, tokens: int, arrival: float, slo: float) -> Request:
     return Request.create(rid, arrival_s=arrival, ttft_slo_s=slo, num_tokens=tokens)
 
 
-def kinds(out) -> list[tuple[str, list[str]]]:
+def kinds(out: SchedulerOutput) -> list[tuple[str, list[str]]]:
     return [(c.kind.value, [r.request_id for r in c.task.requests]) for c in out.commands]
 
 
@@ -117,7 +119,7 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(UnknownNameError, match="s-edf"):
         get_policy("lifo")
     with pytest.raises(UnknownNameError, match="slo-aware"):
-        get_batching("greedy")
+        get_batching("fifo")
     s = Scheduler(predict_s=per_token())
     with pytest.raises(UnknownTaskError, match="neither running nor preempted"):
         s.finish(Task([req("ghost", 5, 0.0, 1.0)]), 0.0)
@@ -142,10 +144,12 @@ cancel_op = st.tuples(st.just("cancel"), st.floats(0.0, 0.1), st.integers(0, 50)
 @given(
     ops=st.lists(st.one_of(arrival_op, arrival_op, complete_op, cancel_op), max_size=60),
     policy=st.sampled_from(["s-edf", "d-edf", "edf", "fcfs"]),
-    batching=st.sampled_from(["slo-aware", "none"]),
+    batching=st.sampled_from(sorted(BATCHING)),
     budget=st.sampled_from([1024, 4096]),
 )
-def test_invariants_hold_after_every_event(ops, policy, batching, budget) -> None:
+def test_invariants_hold_after_every_event(
+    ops: list[tuple], policy: str, batching: str, budget: int
+) -> None:
     s = Scheduler(
         predict_s=per_token(0.5),
         policy=get_policy(policy),

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 
 from flowprefill.request import RequestState
-from flowprefill.scheduler.batching import NoBatching
+from flowprefill.scheduler.batching import GreedyBatching, NoBatching
 from flowprefill.scheduler.core import Scheduler
 from flowprefill.scheduler.policies import get_policy
-from flowprefill.sim.batching import GreedyBatching
 from flowprefill.sim.driver import Instance, Simulation
 from flowprefill.sim.plan import Granularity
 from flowprefill.sim.pool import SimulatedPool

@@ -79,6 +79,6 @@ def test_a_seeded_sweep_is_reproducible_bit_for_bit(tmp_path: Path) -> None:
         ({"instances": 0}, InvalidRequestError, "--instances"),
     ],
 )
-def test_bad_sweep_settings_are_rejected(update: dict, error: type, match: str) -> None:  # type: ignore[type-arg]
+def test_bad_sweep_settings_are_rejected(update: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         SMALL.model_copy(update=update).check()
