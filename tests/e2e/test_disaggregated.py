@@ -10,10 +10,14 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -24,6 +28,7 @@ from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.gateway.app import create_gateway_app
 from flowprefill.gateway.cli import build_state
+from flowprefill.gateway.routing import Instance
 from flowprefill.models import load_model, named_model_dir
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.server.kv_sink import directory_sink
@@ -72,7 +77,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         decode_command(model_dir, port, kv_dir),
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**__import__("os").environ, **decode_env(tmp)},
+        env={**os.environ, **decode_env(tmp)},
     )
     decode_url = f"http://127.0.0.1:{port}"
     try:
@@ -86,16 +91,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             prefill_url = stack.enter_context(
                 serve_in_thread(create_app(engine, kv_sink=directory_sink(kv_dir, model.config)))
             )
-            deadline = time.monotonic() + 600
-            while True:
-                assert proc.poll() is None, (tmp / "vllm.log").read_text()[-3000:]
-                try:
-                    if httpx.get(f"{decode_url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "vLLM did not start"
-                time.sleep(1)
+            wait_vllm(decode_url, proc, tmp / "vllm.log")
             (tmp / "slo.json").write_text(json.dumps(TABLE))
             config = GatewayConfig(
                 service="e2e",
@@ -110,9 +106,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             yield {
                 "gw": gw,
                 "decode": decode_url,
+                "prefill": prefill_url,
                 "model_dir": str(model_dir),
+                "kv_dir": kv_dir,
+                "tmp": tmp,
                 "engine": engine,
-                "state": None,
             }
     finally:
         proc.terminate()
@@ -120,6 +118,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def wait_vllm(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "vLLM did not start"
+        time.sleep(1)
 
 
 def vllm_alone(stack: dict, prompt_ids: list[int], max_tokens: int) -> str:
@@ -268,3 +279,105 @@ def test_client_disconnect_cancels_prefill_and_decode(stack) -> None:
     while _vllm_running(stack) > 0:
         assert time.monotonic() < deadline, "vLLM kept decoding for a client that left"
         time.sleep(0.2)
+
+
+def test_dead_decode_instance_fails_in_flight_and_is_routed_around(stack) -> None:
+    """A second vLLM decode instance (the victim) is SIGKILLed, with its whole process
+    group as when a pod dies, while it decodes a streaming and a non-streaming request."""
+    tmp: Path = stack["tmp"]
+    port = free_port()
+    log = tmp / "vllm-victim.log"
+    victim = subprocess.Popen(
+        decode_command(Path(stack["model_dir"]), port, stack["kv_dir"]),
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **decode_env(tmp / "victim")},
+        start_new_session=True,
+    )
+    victim_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_vllm(victim_url, victim, log)
+        config = GatewayConfig(
+            service="e2e-failover",
+            model_name="demo",
+            tokenizer_path=stack["model_dir"],
+            prefill=[Endpoint(pool="p", host="h", port=1, url=stack["prefill"])],
+            decode=[
+                Endpoint(pool="d", host="h", port=1, url=victim_url),
+                Endpoint(pool="d", host="h", port=2, url=stack["decode"]),
+            ],
+        )
+        state = build_state(config, tmp / "slo.json")
+        assert state.decode_pool is not None
+        victim_inst, healthy_inst = state.decode_pool.instances
+
+        def in_decode(inst: Instance, n: int) -> None:
+            deadline = time.monotonic() + 120
+            while len(inst.in_flight) < n:
+                assert time.monotonic() < deadline, "request never reached decode"
+                time.sleep(0.02)
+
+        with (
+            serve_in_thread(create_gateway_app(state)) as gw,
+            concurrent.futures.ThreadPoolExecutor(2) as pool,
+        ):
+            c = openai.OpenAI(base_url=f"{gw}/v1", api_key="none", max_retries=0, timeout=300)
+
+            def long(prompt: list[int], stream: bool) -> Any:
+                return c.completions.create(
+                    model="demo",
+                    prompt=prompt,
+                    max_tokens=2000,
+                    temperature=0,
+                    stream=stream,
+                    extra_body={"ignore_eos": True},
+                )
+
+            ids = [[(17 * i + k) % 30000 + 5 for i in range(80)] for k in range(4)]
+            # Least-loaded decode routing with ties broken in turn: the first request goes
+            # to the victim, the second (victim busy) to the healthy one, the third (a tie
+            # again) to the victim. Checked, so a routing change fails here, not later.
+            on_victim = iter(long(ids[0], stream=True))
+            next(on_victim), next(on_victim)
+            in_decode(victim_inst, 1)
+            on_healthy = iter(long(ids[1], stream=True))
+            next(on_healthy), next(on_healthy)
+            in_decode(healthy_inst, 1)
+            non_streaming = pool.submit(long, ids[2], False)
+            in_decode(victim_inst, 2)
+            assert len(healthy_inst.in_flight) == 1
+
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait(30)
+
+            # In flight on the victim: a clear 502 before the first byte; a stream that
+            # already started ends with an OpenAI-style error event.
+            with pytest.raises(openai.InternalServerError) as err:
+                non_streaming.result(timeout=120)
+            assert err.value.status_code == 502
+            assert "decode instance" in err.value.message
+            with pytest.raises(openai.APIError, match="decode instance"):
+                for _ in on_victim:
+                    pass
+            # The healthy instance's stream goes on.
+            got = [next(on_healthy) for _ in range(5)]
+            assert all(ch.choices and ch.choices[0].finish_reason is None for ch in got)
+            on_healthy.close()
+
+            # New requests are served: first while the victim is out of rotation, then after
+            # its back-off (2 s after two failures), when one is sent to the dead port first
+            # and retried on the healthy instance (a third failure on the victim's record).
+            assert victim_inst.consecutive_failures == 2
+            for round_ in range(2):
+                for k in range(3):
+                    r = c.completions.create(model="demo", prompt=ids[3][k:], max_tokens=6)
+                    assert r.choices[0].finish_reason == "length", (round_, k)
+                    assert r.usage is not None and r.usage.completion_tokens == 6
+                time.sleep(2.2)
+            assert victim_inst.consecutive_failures == 3
+            metrics = httpx.get(f"{gw}/metrics").text
+            assert 'flowprefill_gateway_errors_total{reason="decode_failed"} 2.0' in metrics
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait(30)
