@@ -27,7 +27,7 @@ WHY = {
     "goodput FlowPrefill / DistServe FCFS": (
         "FCFS goodput is the low end of the scale and hinges on arrival burstiness: with "
         "Poisson arrivals FCFS sustains 1.5 req/s, with gamma CV=2 arrivals only 0.21 "
-        "(FlowPrefill 6.4: 30×); QwenTrace's real arrivals lie between, and single "
+        "(FlowPrefill 7.4: 35×); QwenTrace's real arrivals lie between, and single "
         "3000-request workloads move FCFS goodput by ±9 %"
     ),
     "goodput FlowPrefill / DistServe-CP8K": (

@@ -7,7 +7,7 @@ admits a batch of exactly 4096). They differ in which deadlines they check:
 * ``slo-aware`` — the paper's Algorithm 1: a candidate joins while the predicted latency of
   the grown batch still fits in ``H``'s remaining time. Only the leader's deadline counts.
 * ``member-headroom`` — Algorithm 1 with two changes found by the simulator
-  (docs/simulator.md, "Beyond the paper"; +30–41 % goodput there):
+  (docs/simulator.md, "Beyond the paper": +11–25 % goodput over ``slo-aware``):
 
   - *every member's* deadline counts: a candidate joins only if the grown batch finishes
     before its own deadline as well as every member's so far, and a candidate that cannot
