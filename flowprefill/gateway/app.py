@@ -147,6 +147,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             yield
         finally:
             watcher.cancel()
+            await state.prefill_client.http.aclose()
 
     app = FastAPI(title="FlowPrefill gateway", lifespan=lifespan)
     install_error_handlers(app)

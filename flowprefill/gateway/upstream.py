@@ -3,16 +3,36 @@
 Failures become :class:`UpstreamError` with the status the gateway should answer (502 for
 an instance that failed or vanished mid-request, 503 when none is available, 504 on
 timeout) and a reason label for metrics; a 4xx from an upstream is passed through.
+
+Two upstream calls per request (prefill, then the decode stream) are most of the
+gateway's own CPU time, so the HTTP client matters: aiohttp is used when it is installed
+(it costs several times less CPU per request than httpx, whose connection pool also scans
+every pooled connection on each request), httpx otherwise. Both keep connections alive
+and send the same bytes; see docs/gateway.md for the measurements.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    import aiohttp
+
+HTTP_BACKENDS = ("auto", "aiohttp", "httpx")
+DRAIN_TIMEOUT_S = 1.0
+KEEPALIVE_S = 4.0
+"""Idle upstream connections are dropped after this; below uvicorn's (and so vLLM's)
+default 5 s keep-alive, so the gateway does not send a request on a connection the
+server is closing."""
 
 
 class UpstreamError(Exception):
@@ -24,28 +44,247 @@ class UpstreamError(Exception):
         """True only when nothing was processed (connection refused): safe to try elsewhere."""
 
 
-def _upstream_message(resp: httpx.Response) -> str:
+def _upstream_message(status: int, content: bytes) -> str:
     try:
-        err = resp.json().get("error")
+        err = json.loads(content).get("error")
         if isinstance(err, dict) and err.get("message"):
             return str(err["message"])
         if isinstance(err, str):
             return err
-    except (json.JSONDecodeError, AttributeError):
+    except (ValueError, AttributeError):
         pass
-    return resp.text[:500] or resp.reason_phrase
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = ""
+    return content.decode("utf-8", errors="replace")[:500] or phrase
 
 
-def _translate(role: str, url: str, exc: httpx.HTTPError) -> UpstreamError:
-    if isinstance(exc, httpx.ConnectError):
-        return UpstreamError(
-            503, f"{role} instance {url} is unreachable", f"{role}_unreachable", retryable=True
-        )
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamError(504, f"{role} instance {url} timed out", f"{role}_timeout")
+def _status_error(role: str, status: int, content: bytes) -> UpstreamError:
+    return UpstreamError(
+        status if status < 500 else 502, _upstream_message(status, content), f"{role}_{status}"
+    )
+
+
+def _unreachable(role: str, url: str) -> UpstreamError:
+    return UpstreamError(
+        503, f"{role} instance {url} is unreachable", f"{role}_unreachable", retryable=True
+    )
+
+
+def _timed_out(role: str, url: str) -> UpstreamError:
+    return UpstreamError(504, f"{role} instance {url} timed out", f"{role}_timeout")
+
+
+def _failed(role: str, url: str, exc: BaseException) -> UpstreamError:
     return UpstreamError(
         502, f"{role} instance {url} failed mid-request ({type(exc).__name__})", f"{role}_failed"
     )
+
+
+def _encode_json(body: dict[str, Any]) -> bytes:
+    # As httpx's json= does, so both clients send the same bytes.
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+async def _sse_data(lines: AsyncIterator[str]) -> AsyncGenerator[str, None]:
+    """The payloads of an SSE stream's ``data:`` lines, up to ``[DONE]``.
+
+    After ``[DONE]`` the rest of the body (its chunked-encoding end) is read, so the
+    connection goes back to the pool: a response left unfinished closes its connection,
+    and the next request would pay for a new one. Bounded: an upstream that keeps the
+    stream open after ``[DONE]`` only loses its connection."""
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            try:
+                async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                    async for _ in lines:
+                        pass
+            except TimeoutError:
+                pass
+            return
+        yield payload
+
+
+class UpstreamHTTP(ABC):
+    """POST a JSON body and read a JSON answer or an SSE stream; ``role`` (prefill or
+    decode) names the instance in errors and their reason labels."""
+
+    @abstractmethod
+    async def post_json(
+        self, role: str, url: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Any:
+        """The decoded JSON answer."""
+
+    @abstractmethod
+    def sse(
+        self, role: str, url: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> AsyncGenerator[str, None]:
+        """The ``data:`` payloads of the streamed answer, up to ``[DONE]``."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Close the pooled connections."""
+
+
+class HttpxUpstream(UpstreamHTTP):
+    def __init__(self, timeout_s: float = 600.0, connect_timeout_s: float = 5.0) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(
+                max_connections=1000, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_S
+            ),
+        )
+
+    @staticmethod
+    def _translate(role: str, url: str, exc: httpx.HTTPError) -> UpstreamError:
+        if isinstance(exc, httpx.ConnectError):
+            return _unreachable(role, url)
+        if isinstance(exc, httpx.TimeoutException):
+            return _timed_out(role, url)
+        return _failed(role, url, exc)
+
+    async def post_json(
+        self, role: str, url: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Any:
+        try:
+            resp = await self.client.post(url, content=_encode_json(body), headers=_json(headers))
+        except httpx.HTTPError as e:
+            raise self._translate(role, url, e) from e
+        if resp.status_code >= 400:
+            raise _status_error(role, resp.status_code, resp.content)
+        return json.loads(resp.content)
+
+    async def sse(
+        self, role: str, url: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> AsyncGenerator[str, None]:
+        try:
+            async with self.client.stream(
+                "POST", url, content=_encode_json(body), headers=_json(headers)
+            ) as resp:
+                if resp.status_code >= 400:
+                    raise _status_error(role, resp.status_code, await resp.aread())
+                async with aclosing(_sse_data(resp.aiter_lines())) as payloads:
+                    async for payload in payloads:
+                        yield payload
+        except httpx.HTTPError as e:
+            raise self._translate(role, url, e) from e
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class AiohttpUpstream(UpstreamHTTP):
+    """The session is made on first use, in the event loop that serves requests."""
+
+    def __init__(self, timeout_s: float = 600.0, connect_timeout_s: float = 5.0) -> None:
+        import aiohttp
+
+        self._aiohttp = aiohttp
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=timeout_s, connect=timeout_s
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            aiohttp = self._aiohttp
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    limit=1000, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+                ),
+                timeout=self.timeout,
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+            self._loop = loop
+        return self._session
+
+    def _translate(self, role: str, url: str, exc: BaseException) -> UpstreamError:
+        if isinstance(exc, TimeoutError):
+            return _timed_out(role, url)
+        if isinstance(exc, self._aiohttp.ClientConnectorError):
+            return _unreachable(role, url)
+        return _failed(role, url, exc)
+
+    async def post_json(
+        self, role: str, url: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Any:
+        try:
+            async with self.session().post(
+                url, data=_encode_json(body), headers=_json(headers), allow_redirects=False
+            ) as resp:
+                content = await resp.read()
+        except (self._aiohttp.ClientError, TimeoutError) as e:
+            raise self._translate(role, url, e) from e
+        if resp.status >= 400:
+            raise _status_error(role, resp.status, content)
+        return json.loads(content)
+
+    async def sse(
+        self, role: str, url: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> AsyncGenerator[str, None]:
+        try:
+            async with self.session().post(
+                url, data=_encode_json(body), headers=_json(headers), allow_redirects=False
+            ) as resp:
+                if resp.status >= 400:
+                    raise _status_error(role, resp.status, await resp.read())
+                async with aclosing(_sse_data(_lines(resp.content))) as payloads:
+                    async for payload in payloads:
+                        yield payload
+        except (self._aiohttp.ClientError, TimeoutError) as e:
+            raise self._translate(role, url, e) from e
+
+    async def aclose(self) -> None:
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """Lines of a streamed body as httpx's ``aiter_lines`` splits them (``\\n``, ``\\r\\n``
+    or ``\\r``), without a limit on line length."""
+    buf = b""
+    async for data in content.iter_any():
+        buf += data
+        if b"\r" in buf:
+            if buf.endswith(b"\r"):  # maybe the first half of a \r\n
+                continue
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *complete, buf = buf.split(b"\n")
+        for line in complete:
+            yield line.decode("utf-8", errors="replace")
+    if buf:
+        buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        for line in buf.split(b"\n"):
+            if line:
+                yield line.decode("utf-8", errors="replace")
+
+
+def _json(headers: dict[str, str]) -> dict[str, str]:
+    return {**headers, "content-type": "application/json"}
+
+
+def make_upstream_http(
+    backend: str = "auto", timeout_s: float = 600.0, connect_timeout_s: float = 5.0
+) -> UpstreamHTTP:
+    """``auto``: aiohttp when it is installed, else httpx."""
+    if backend not in HTTP_BACKENDS:
+        raise ValueError(f"unknown upstream HTTP client {backend!r}; one of {HTTP_BACKENDS}")
+    if backend == "auto":
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError:
+            backend = "httpx"
+        else:
+            backend = "aiohttp"
+    cls = AiohttpUpstream if backend == "aiohttp" else HttpxUpstream
+    return cls(timeout_s, connect_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +297,8 @@ class PrefillAnswer:
 
 
 class PrefillClient:
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self.client = client
+    def __init__(self, http: UpstreamHTTP) -> None:
+        self.http = http
 
     async def prefill(
         self,
@@ -79,14 +318,7 @@ class PrefillClient:
             "slo_class": slo_class,
             "hand_off_kv": hand_off_kv,
         }
-        try:
-            resp = await self.client.post(f"{url}/v1/prefill", json=body, headers=headers)
-        except httpx.HTTPError as e:
-            raise _translate("prefill", url, e) from e
-        if resp.status_code >= 400:
-            status = resp.status_code if resp.status_code < 500 else 502
-            raise UpstreamError(status, _upstream_message(resp), f"prefill_{resp.status_code}")
-        data = resp.json()
+        data = await self.http.post_json("prefill", f"{url}/v1/prefill", body, headers)
         return PrefillAnswer(
             first_token_id=int(data["first_token_id"]),
             num_prompt_tokens=int(data["num_prompt_tokens"]),
@@ -106,8 +338,8 @@ class DecodeDelta:
 class DecodeClient:
     """Streams a continuation from a vLLM OpenAI server's ``/v1/completions``."""
 
-    def __init__(self, client: httpx.AsyncClient, model: str) -> None:
-        self.client = client
+    def __init__(self, http: UpstreamHTTP, model: str) -> None:
+        self.http = http
         self.model = model
 
     async def stream(
@@ -120,7 +352,7 @@ class DecodeClient:
         kv_transfer_params: dict[str, Any] | None,
         headers: dict[str, str],
         request_id: str,
-    ) -> AsyncIterator[DecodeDelta]:
+    ) -> AsyncGenerator[DecodeDelta, None]:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_token_ids,
@@ -132,31 +364,16 @@ class DecodeClient:
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         headers = {**headers, "x-request-id": request_id}
-        try:
-            async with self.client.stream(
-                "POST", f"{url}/v1/completions", json=body, headers=headers
-            ) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    status = resp.status_code if resp.status_code < 500 else 502
-                    raise UpstreamError(
-                        status, _upstream_message(resp), f"decode_{resp.status_code}"
-                    )
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        return
-                    chunk = json.loads(payload)
-                    if "error" in chunk:
-                        raise UpstreamError(502, str(chunk["error"]), "decode_stream_error")
-                    usage = chunk.get("usage") or {}
-                    choices = chunk.get("choices") or []
-                    if choices:
-                        c = choices[0]
-                        yield DecodeDelta(c.get("text") or "", c.get("finish_reason"))
-                    if usage.get("completion_tokens") is not None:
-                        yield DecodeDelta("", None, int(usage["completion_tokens"]))
-        except httpx.HTTPError as e:
-            raise _translate("decode", url, e) from e
+        payloads = self.http.sse("decode", f"{url}/v1/completions", body, headers)
+        async with aclosing(payloads):  # an early exit closes the upstream connection now
+            async for payload in payloads:
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise UpstreamError(502, str(chunk["error"]), "decode_stream_error")
+                usage = chunk.get("usage") or {}
+                choices = chunk.get("choices") or []
+                if choices:
+                    c = choices[0]
+                    yield DecodeDelta(c.get("text") or "", c.get("finish_reason"))
+                if usage.get("completion_tokens") is not None:
+                    yield DecodeDelta("", None, int(usage["completion_tokens"]))
