@@ -24,7 +24,13 @@ from transformers import DynamicCache, PreTrainedModel
 from flowprefill.errors import InvalidRequestError
 from flowprefill.executor.attention import packed_segments
 from flowprefill.executor.attention import register as register_packed_attention
-from flowprefill.executor.checkpoints import check_granularity, describe, install_checkpoints
+from flowprefill.executor.checkpoints import (
+    NoBoundariesError,
+    check_granularity,
+    describe,
+    find_decoder_layers,
+    install_checkpoints,
+)
 from flowprefill.executor.device import (
     DeviceBackend,
     SyncMode,
@@ -32,6 +38,12 @@ from flowprefill.executor.device import (
     boundary_fn,
     check_sync_mode,
     per_check_sync,
+)
+from flowprefill.executor.kernels import (
+    FastLinearHandle,
+    fast_kernels,
+    install_fast_linears,
+    resolve_kernels,
 )
 from flowprefill.executor.packing import PackedBatch, chunk_segments, chunk_spans, pack
 from flowprefill.executor.preemption import TaskControl, activate, current_control
@@ -71,11 +83,19 @@ class PreemptibleExecutor:
         device: str | torch.device | None = None,
         sync: str = "every_check",
         backend: DeviceBackend | None = None,
+        kernels: str | None = None,
     ) -> None:
         """``sync`` (``every_check`` | ``on_preempt``) only matters on CUDA; see
         :mod:`flowprefill.executor.device` for the trade-off. ``backend`` overrides the
-        stream backend chosen from ``device`` (tests use a fake one)."""
+        stream backend chosen from ``device`` (tests use a fake one).
+
+        ``kernels``: ``"fast"`` (default; ``$FLOWPREFILL_KERNELS`` overrides the default)
+        runs the decoder's float32 CPU linears through oneDNN on prepacked weights (see
+        :mod:`flowprefill.executor.kernels`); ``"reference"`` runs the model's own modules,
+        so a single prompt's KV cache is bit-identical to calling the model directly.
+        Either way a resumed prefill is bit-identical to an uninterrupted one."""
         check_granularity(granularity)
+        self.kernels = resolve_kernels(kernels)
         self.sync_mode: SyncMode = check_sync_mode(sync)
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
@@ -96,6 +116,17 @@ class PreemptibleExecutor:
         except BaseException:
             model.set_attn_implementation(self._original_attention)
             raise
+        # After the checkpoints: installing those refuses a model another executor holds.
+        self._linears = FastLinearHandle()
+        if self.kernels == "fast":
+            try:
+                self._linears = install_fast_linears(find_decoder_layers(model)[1])
+            except NoBoundariesError:
+                pass  # no decoder stack found: run the model's own linears
+            except BaseException:
+                self._handle.remove()
+                model.set_attn_implementation(self._original_attention)
+                raise
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.max_prompt_tokens = int(config.max_position_embeddings)
@@ -218,7 +249,7 @@ class PreemptibleExecutor:
                 [last_indices[r] - start for r in finishing], dtype=torch.long, device=self.device
             )
             segments = chunk_segments(batch.starts, batch.lengths, start, end)
-            with packed_segments(segments):
+            with packed_segments(segments), fast_kernels(self.kernels == "fast"):
                 out = self.model(
                     input_ids=batch.input_ids[:, start:end],
                     position_ids=batch.position_ids[:, start:end],
@@ -252,8 +283,10 @@ class PreemptibleExecutor:
         return outputs
 
     def close(self) -> None:
-        """Remove the checkpoint hooks and restore the model's attention implementation."""
+        """Remove the checkpoint hooks and fast linears and restore the model's attention
+        implementation."""
         self._handle.remove()
+        self._linears.remove()
         if self.model.config._attn_implementation != self._original_attention:
             self.model.set_attn_implementation(self._original_attention)
 

@@ -28,7 +28,9 @@ def _reference(model: PreTrainedModel, prompt: list[int]) -> tuple[torch.Tensor,
 def test_single_prompt_matches_plain_transformers(
     tiny_model: PreTrainedModel, make_executor: MakeExecutor
 ) -> None:
-    executor = make_executor(tiny_model)
+    # Reference kernels: the model's own modules (the fast set's oneDNN linears sum in
+    # another order; tests/executor/test_kernels.py compares the two).
+    executor = make_executor(tiny_model, kernels="reference")
     prompt = random_prompts([33], executor.vocab_size, seed=10)[0]
     (out,) = executor.prefill([prompt])
     logits, kv = _reference(tiny_model, prompt)
