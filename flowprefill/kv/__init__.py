@@ -1,7 +1,8 @@
 """KV hand-off from FlowPrefill's prefill engine into vLLM decode.
 
 - :mod:`~flowprefill.kv.format`: the versioned on-disk layout, writer, lazy reader.
-- :mod:`~flowprefill.kv.transport`: where hand-offs live (shared directory today).
+- :mod:`~flowprefill.kv.transport`: where hand-offs live (shared directory, or pulled over
+  HTTP from the prefill instance).
 - :mod:`~flowprefill.kv.params`: the ``kv_transfer_params`` a decode request carries.
 - :mod:`~flowprefill.kv.capture`: producer helpers (HF cache → hand-off).
 - :mod:`~flowprefill.kv.paged`: layout arithmetic for the paged cache.
@@ -27,8 +28,10 @@ from flowprefill.kv.format import (
 )
 from flowprefill.kv.params import HandoffRef, load_end, num_tokens_to_load, result_params
 from flowprefill.kv.transport import (
+    HTTPPullTransport,
     KVTransport,
     SharedDirTransport,
+    default_cache_path,
     default_storage_path,
     make_transport,
 )
@@ -37,17 +40,29 @@ CONNECTOR_MODULE = "flowprefill.kv.connector"
 CONNECTOR_CLASS = "FlowPrefillConnector"
 
 
-def kv_transfer_config(storage_path: str | None = None, **extra: object) -> dict[str, object]:
+def kv_transfer_config(
+    storage_path: str | None = None, *, transport: str = "shared_dir", **extra: object
+) -> dict[str, object]:
     """The ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)`` value for decode.
 
-    ``extra`` goes to ``kv_connector_extra_config`` (e.g. ``delete_after_load=True``).
+    ``storage_path`` is the shared directory (``shared_dir``) or decode's local cache
+    directory (``http``). ``extra`` goes to ``kv_connector_extra_config`` (e.g.
+    ``delete_after_load=True``, ``timeout_s=2``).
     """
-    storage_path = storage_path or default_storage_path()
+    if transport == "http":
+        where: dict[str, object] = {
+            "transport": "http",
+            "cache_dir": storage_path or default_cache_path(),
+        }
+    elif transport == "shared_dir":
+        where = {"shared_storage_path": storage_path or default_storage_path()}
+    else:
+        raise KVHandoffError(f"unknown KV transport {transport!r}; expected shared_dir or http")
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_consumer",
-        "kv_connector_extra_config": {"shared_storage_path": storage_path, **extra},
+        "kv_connector_extra_config": {**where, **extra},
     }
 
 
@@ -56,6 +71,7 @@ __all__ = [
     "CONNECTOR_MODULE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "HTTPPullTransport",
     "HandoffRef",
     "KVFormatError",
     "KVHandoff",
@@ -70,6 +86,7 @@ __all__ = [
     "SharedDirTransport",
     "build_handoff",
     "check_prompt",
+    "default_cache_path",
     "default_storage_path",
     "kv_transfer_config",
     "layers_from_cache",

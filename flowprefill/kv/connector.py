@@ -6,7 +6,14 @@ Load it in a decode instance with::
         "kv_connector_module_path": "flowprefill.kv.connector", "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"shared_storage_path": "/path/to/handoffs"}}'
 
-(without ``shared_storage_path``: ``$FLOWPREFILL_KV_DIR``, else /tmp/flowprefill-kv).
+(without ``shared_storage_path``: ``$FLOWPREFILL_KV_DIR``, else /tmp/flowprefill-kv), or,
+to pull each hand-off over HTTP from the prefill instance named in the request's
+``kv_transfer_params.flowprefill.source``::
+
+        "kv_connector_extra_config": {"transport": "http", "cache_dir": "/local/cache",
+                                      "timeout_s": 5, "max_download_s": 60}
+
+(see :class:`~flowprefill.kv.transport.HTTPPullTransport`).
 
 Contract (vLLM 0.32 ``KVConnectorBase_V1``; one instance runs in the scheduler process,
 one in each worker):
@@ -20,7 +27,9 @@ one in each worker):
   least one token of a new request to sample from; send ``prompt + [first_token]`` and that
   token is the one our prefill sampled, so no prompt token is recomputed. Loads are
   synchronous (``False``): the copy is a memcpy-speed local read, cheaper than the async
-  state machine's extra scheduler round trip.
+  state machine's extra scheduler round trip. With the ``http`` transport the header is
+  one HTTP range request made here, in the scheduler (it blocks scheduling for that round
+  trip, at most ``timeout_s``); the body is downloaded by the worker in ``start_load_kv``.
 * **Unusable KV never fails a request.** A missing, corrupted or mismatching hand-off is
   logged, reported in the response's ``kv_transfer_params`` (``status: "recomputed"``) and
   the prompt is recomputed. A failure *during* the worker copy (after the scheduler counted
@@ -38,8 +47,10 @@ one in each worker):
   has nothing to wait for. Verified on CPU; on GPU the same path runs with a host→device
   copy but has not been executed (no GPU here).
 * **Clean-up** (``request_finished``). Reports ``loaded_tokens``; deletes the hand-off when
-  ``delete_after_load`` is set in the extra config (default false: the prefill side owns
-  the files and sweeps them, see ``SharedDirTransport.sweep``).
+  ``delete_after_load`` is set in the extra config (default false for ``shared_dir``: the
+  prefill side owns the files and sweeps them, see ``SharedDirTransport.sweep``; default
+  true for ``http``: the local copy is removed and the source gets a background
+  ``DELETE``). Without it, a transport's own copy is still dropped (``discard``).
 
 This connector never produces KV (``save_kv_layer`` is a no-op): the producer is
 FlowPrefill's own prefill engine, not a vLLM instance.
@@ -48,6 +59,7 @@ FlowPrefill's own prefill engine, not a vLLM instance.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +100,11 @@ class LoadSpec:
     start: int
     end: int
     block_ids: list[int]
+    source: str | None = None  # where the http transport pulls the hand-off from
+
+    @property
+    def ref(self) -> HandoffRef:
+        return HandoffRef(self.handoff_id, source=self.source)
 
 
 @dataclass
@@ -122,9 +139,10 @@ class FlowPrefillConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        transport = str(extra.get("transport", "shared_dir"))
         path = extra.get("shared_storage_path") or default_storage_path()
-        self._transport = make_transport(str(extra.get("transport", "shared_dir")), path=path)
-        self._delete_after_load = bool(extra.get("delete_after_load", False))
+        self._transport = make_transport(transport, **{**extra, "path": path})
+        self._delete_after_load = bool(extra.get("delete_after_load", transport == "http"))
         self._block_size = int(vllm_config.cache_config.block_size)
         model_config = vllm_config.model_config
         if getattr(model_config, "use_mla", False):
@@ -137,9 +155,10 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         self._to_load: dict[str, _Tracked] = {}  # scheduler side, allocated, not yet sent
         self._failed_blocks: set[int] = set()  # worker side
         logger.info(
-            "FlowPrefillConnector role=%s storage=%s block_size=%d model=%s",
+            "FlowPrefillConnector role=%s transport=%s storage=%s block_size=%d model=%s",
             role.name,
-            path,
+            transport,
+            getattr(self._transport, "root", path),
             self._block_size,
             self._expected,
         )
@@ -173,7 +192,14 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         tracked = _Tracked(ref=ref)
         self._tracked[req_id] = tracked
         try:
-            header = self._transport.header(ref.handoff_id)
+            t0 = time.perf_counter()
+            header = self._transport.header(ref)
+            logger.debug(
+                "request %s: header of hand-off %s in %.2f ms",
+                req_id,
+                ref.handoff_id,
+                (time.perf_counter() - t0) * 1e3,
+            )
             header.fingerprint.check_matches(self._expected)
             if ref.num_tokens is not None and ref.num_tokens != header.num_tokens:
                 raise KVMismatchError("num_tokens", ref.num_tokens, header.num_tokens)
@@ -226,7 +252,10 @@ class FlowPrefillConnector(KVConnectorBase_V1):
     @staticmethod
     def _spec(req_id: str, tracked: _Tracked, block_ids: list[int]) -> LoadSpec:
         tracked.loaded = tracked.end - tracked.start
-        return LoadSpec(req_id, tracked.ref.handoff_id, tracked.start, tracked.end, list(block_ids))
+        ref = tracked.ref
+        return LoadSpec(
+            req_id, ref.handoff_id, tracked.start, tracked.end, list(block_ids), ref.source
+        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -235,8 +264,13 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        if self._delete_after_load:
-            self._transport.delete(tracked.ref.handoff_id)
+        try:
+            if self._delete_after_load:
+                self._transport.delete(tracked.ref)
+            else:
+                self._transport.discard(tracked.ref)
+        except OSError as exc:  # clean-up must never fail a finished request
+            logger.warning("request %s: clean-up of hand-off failed: %s", request.request_id, exc)
         return False, result_params(tracked.ref, tracked.loaded, tracked.reason)
 
     # ------------------------------------------------------------------- worker side
@@ -262,7 +296,8 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         )
 
         slots: torch.Tensor | None = None
-        with self._transport.open(spec.handoff_id) as reader:
+        t0 = time.perf_counter()
+        with self._transport.open(spec.ref) as reader:
             header = reader.header
             if max(layers, default=-1) >= header.num_layers:
                 raise KVMismatchError("num_layers", max(layers) + 1, header.num_layers)
@@ -283,13 +318,16 @@ class FlowPrefillConnector(KVConnectorBase_V1):
                 value = to_token_major(value, heads, self._model_dtype, cache.device)
                 layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
         logger.info(
-            "request %s: loaded %d prompt tokens [%d, %d) of hand-off %s into %d layers",
+            "request %s: loaded %d prompt tokens [%d, %d) of hand-off %s into %d layers "
+            "in %.1f ms%s",
             spec.req_id,
             spec.end - spec.start,
             spec.start,
             spec.end,
             spec.handoff_id,
             len(layers),
+            (time.perf_counter() - t0) * 1e3,
+            f" (pulled from {spec.source})" if spec.source else "",
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -267,20 +267,12 @@ class KVReader:
             raise KVFormatError(f"{where}: unreadable safetensors file ({exc})") from exc
 
     def _check_tensors(self, where: str) -> None:
-        h = self.header
-        names = set(self._file.keys())
-        want = {"token_ids"} | {f"{kv}.{i}" for i in range(h.num_layers) for kv in "kv"}
-        if names != want:
-            missing, extra = sorted(want - names), sorted(names - want)
-            raise KVFormatError(f"{where}: tensors missing {missing[:4]}, unexpected {extra[:4]}")
-        shape = [h.fingerprint.num_kv_heads, h.num_tokens, h.fingerprint.head_dim]
-        for name in want - {"token_ids"}:
+        specs = {}
+        names: list[str] = list(self._file.keys())  # safe_open is not iterable
+        for name in names:
             sl = self._file.get_slice(name)
-            if list(sl.get_shape()) != shape or sl.get_dtype() != _st_dtype(h.dtype):
-                raise KVFormatError(
-                    f"{where}: tensor {name} is {sl.get_dtype()}{sl.get_shape()}, header says "
-                    f"{h.dtype}{shape}"
-                )
+            specs[name] = (sl.get_dtype(), list(sl.get_shape()))
+        _check_tensor_specs(self.header, specs, where)
 
     def token_ids(self) -> list[int]:
         ids = self._file.get_tensor("token_ids")
@@ -328,6 +320,67 @@ class KVReader:
 
 def _st_dtype(name: str) -> str:
     return {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[name]
+
+
+def _check_tensor_specs(
+    h: KVHeader, specs: Mapping[str, tuple[str, list[int]]], where: str
+) -> None:
+    """The tensors (name → safetensors dtype, shape) are exactly what ``h`` promises."""
+    names = set(specs)
+    want = {"token_ids"} | {f"{kv}.{i}" for i in range(h.num_layers) for kv in "kv"}
+    if names != want:
+        missing, extra = sorted(want - names), sorted(names - want)
+        raise KVFormatError(f"{where}: tensors missing {missing[:4]}, unexpected {extra[:4]}")
+    shape = [h.fingerprint.num_kv_heads, h.num_tokens, h.fingerprint.head_dim]
+    for name in sorted(want - {"token_ids"}):
+        dtype, got = specs[name]
+        if list(got) != shape or dtype != _st_dtype(h.dtype):
+            raise KVFormatError(
+                f"{where}: tensor {name} is {dtype}{list(got)}, header says {h.dtype}{shape}"
+            )
+
+
+# safetensors: 8-byte little-endian header length, then that many bytes of JSON, then data.
+SAFETENSORS_PREFIX = 8
+SAFETENSORS_MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
+
+
+def file_header_length(prefix: bytes, where: str) -> int:
+    """Bytes of the whole safetensors header (the 8-byte length + JSON) from its first 8."""
+    if len(prefix) < SAFETENSORS_PREFIX:
+        raise KVFormatError(f"{where}: {len(prefix)} bytes, too short for a safetensors header")
+    n = int.from_bytes(prefix[:SAFETENSORS_PREFIX], "little")
+    if not 2 <= n <= SAFETENSORS_MAX_HEADER:
+        raise KVFormatError(f"{where}: safetensors header length {n} is not plausible")
+    return SAFETENSORS_PREFIX + n
+
+
+def parse_file_header(raw: bytes, where: str) -> tuple[KVHeader, int]:
+    """Validate a hand-off from its file's first bytes (at least the whole header) alone.
+
+    Returns the header and the size the complete file must have. Checks the same as
+    :class:`KVReader` does on open (metadata, tensor names, shapes, dtypes) — what a remote
+    consumer can decide before fetching any tensor data.
+    """
+    end = file_header_length(raw, where)
+    if len(raw) < end:
+        raise KVFormatError(f"{where}: header truncated ({len(raw)} of {end} bytes)")
+    try:
+        obj = json.loads(raw[SAFETENSORS_PREFIX:end])
+        meta = obj.pop("__metadata__", None)
+        specs: dict[str, tuple[str, list[int]]] = {}
+        data_end = 0
+        for name, info in obj.items():
+            begin, stop = (int(x) for x in info["data_offsets"])
+            if not 0 <= begin <= stop:
+                raise ValueError(f"tensor {name} has data_offsets {begin}, {stop}")
+            specs[name] = (str(info["dtype"]), [int(d) for d in info["shape"]])
+            data_end = max(data_end, stop)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise KVFormatError(f"{where}: unreadable safetensors header ({exc!r})") from exc
+    header = KVHeader.from_metadata(meta, where)
+    _check_tensor_specs(header, specs, where)
+    return header, end + data_end
 
 
 def read_header(path: str | Path) -> KVHeader:

@@ -4,7 +4,12 @@ A decode request carries ``kv_transfer_params`` (a top-level field of vLLM's Ope
 ``/v1/completions`` and ``/v1/chat/completions`` bodies; offline, the
 ``kv_transfer_params`` key of ``SamplingParams.extra_args``)::
 
-    {"flowprefill": {"version": 1, "handoff_id": "<id>", "num_tokens": <KV tokens>}}
+    {"flowprefill": {"version": 1, "handoff_id": "<id>", "num_tokens": <KV tokens>,
+                     "source": "http://<prefill pod>:<port>"}}
+
+``source`` is present only when the hand-off is served over HTTP by the prefill instance
+that wrote it (the ``http`` transport pulls it from ``<source>/v1/kv/<id>``); without it
+the hand-off is in the shared directory, as before.
 
 The finished response's ``kv_transfer_params`` reports what happened::
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from flowprefill.kv.errors import KVHandoffError
 from flowprefill.kv.transport import check_handoff_id
@@ -35,12 +41,20 @@ class HandoffRef:
 
     handoff_id: str
     num_tokens: int | None = None
+    source: str | None = None
+    """Base URL of the prefill instance that serves the hand-off (``http`` transport)."""
+
+    def __post_init__(self) -> None:
+        if self.source is not None:
+            object.__setattr__(self, "source", check_source_url(self.source))
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` value for a decode request body."""
         body: dict[str, Any] = {"version": PARAMS_VERSION, "handoff_id": self.handoff_id}
         if self.num_tokens is not None:
             body["num_tokens"] = self.num_tokens
+        if self.source is not None:
+            body["source"] = self.source
         return {PARAMS_KEY: body}
 
     @classmethod
@@ -57,7 +71,38 @@ class HandoffRef:
         num_tokens = body.get("num_tokens")
         if num_tokens is not None and (not isinstance(num_tokens, int) or num_tokens < 1):
             raise KVHandoffError(f"kv_transfer_params num_tokens must be >= 1: {num_tokens!r}")
-        return cls(handoff_id=check_handoff_id(body.get("handoff_id", "")), num_tokens=num_tokens)
+        source = body.get("source")
+        if source is not None and not isinstance(source, str):
+            raise KVHandoffError(f"kv_transfer_params source must be a URL string: {source!r}")
+        return cls(
+            handoff_id=check_handoff_id(body.get("handoff_id", "")),
+            num_tokens=num_tokens,
+            source=source,
+        )
+
+
+def check_source_url(url: str) -> str:
+    """An ``http(s)://host[:port][/prefix]`` base URL, without query, fragment or
+    credentials; returned without a trailing slash."""
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except (ValueError, AttributeError) as exc:
+        raise KVHandoffError(f"hand-off source {url!r} is not a URL: {exc}") from exc
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or not port_ok
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+        or any(c.isspace() for c in url)
+    ):
+        raise KVHandoffError(
+            f"hand-off source {url!r} must be an http:// or https:// base URL "
+            "(host, optional port and path; no query, fragment or credentials)"
+        )
+    return url.rstrip("/")
 
 
 def result_params(ref: HandoffRef, loaded_tokens: int, reason: str | None = None) -> dict[str, Any]:

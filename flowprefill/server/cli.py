@@ -14,7 +14,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--profile", help="override predictor_path (TTFT profile JSON)")
-    p.add_argument("--kv-dir", help="directory for the KV hand-off to decode")
+    p.add_argument(
+        "--kv-dir",
+        help="directory for the KV hand-off to decode (with --kv-transport http: this "
+        "instance's own; default $FLOWPREFILL_KV_DIR or /tmp/flowprefill-kv)",
+    )
+    p.add_argument(
+        "--kv-transport",
+        choices=["shared_dir", "http"],
+        default="shared_dir",
+        help="shared_dir: decode reads --kv-dir (a shared volume); http: this server serves "
+        "hand-offs at /v1/kv/<id> and decode pulls them",
+    )
+    p.add_argument(
+        "--kv-advertise-url",
+        help="base URL decode uses to reach this server (http transport); default "
+        "$FLOWPREFILL_KV_ADVERTISE_URL, else http://<host>:<port> (a wildcard host: the "
+        "address the hostname resolves to, in a pod the pod IP)",
+    )
+    p.add_argument(
+        "--kv-max-age",
+        type=float,
+        default=600.0,
+        help="seconds after which unconsumed hand-offs are swept",
+    )
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest accepted body")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
 
@@ -47,12 +70,24 @@ def run(args: argparse.Namespace) -> int:
         batching=config.batching,
         token_budget=config.batch_token_budget,
     )
-    kv_sink = None
-    if args.kv_dir:
-        from flowprefill.server.kv_sink import directory_sink
+    kv_sink = kv_store = None
+    if args.kv_dir or args.kv_transport == "http":
+        from flowprefill.kv import default_storage_path
+        from flowprefill.server.kv_sink import advertise_url, directory_sink
 
-        kv_sink = directory_sink(args.kv_dir, model.config)
-    app = create_app(engine, kv_sink=kv_sink)
+        source = None
+        if args.kv_transport == "http":
+            source = advertise_url(args.host, args.port, args.kv_advertise_url)
+        kv_sink = directory_sink(
+            args.kv_dir or default_storage_path(),
+            model.config,
+            max_age_s=args.kv_max_age,
+            source=source,
+        )
+        if source is not None:
+            kv_store = kv_sink.transport
+            log.info("KV hand-offs in %s, served to decode as %s", kv_store.root, source)
+    app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store)
     log.info(
         "prefill instance: %s, granularity %s, policy %s, port %d",
         config.model_path,

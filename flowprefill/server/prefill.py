@@ -4,6 +4,10 @@ Endpoints:
 
 * ``POST /v1/prefill`` — body :class:`PrefillRequest`; answers when the request's prefill
   finished with its first token and the KV hand-off parameters for decode.
+* ``GET /v1/kv/{id}``, ``DELETE /v1/kv/{id}`` — with the ``http`` KV transport: the
+  hand-off file (streamed; ``Range`` requests answered, so decode reads the header alone)
+  and its removal once decode is done. 404 when it is absent (never written, consumed or
+  swept), 400 for an id that is not a valid hand-off id.
 * ``GET /health`` (process alive), ``GET /ready`` (engine accepting; 503 while draining),
   ``GET /metrics`` (Prometheus text format).
 
@@ -17,18 +21,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowprefill.engine import PrefillEngine, PrefillResult
 from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
+from flowprefill.kv import KVHandoffError, SharedDirTransport
 from flowprefill.server.errors import error_response, install_error_handlers
 from flowprefill.server.kv_sink import KVSink
 
@@ -76,7 +82,18 @@ async def _wait_unless_disconnected(request: Request, fut: Future[PrefillResult]
     return result in done
 
 
-def create_app(engine: PrefillEngine, kv_sink: KVSink | None = None) -> FastAPI:
+class _KVFileResponse(FileResponse):
+    chunk_size = 1 << 20  # hand-offs are MiBs; 64 KiB sends cost more event-loop turns
+
+
+def create_app(
+    engine: PrefillEngine,
+    kv_sink: KVSink | None = None,
+    kv_store: SharedDirTransport | None = None,
+) -> FastAPI:
+    """``kv_store``: the directory ``kv_sink`` writes, served at ``/v1/kv/{id}`` (the
+    ``http`` transport); None serves nothing (``shared_dir``: decode reads the volume)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if not engine.loop.running:
@@ -140,6 +157,9 @@ def create_app(engine: PrefillEngine, kv_sink: KVSink | None = None) -> FastAPI:
             kv_transfer_params=kv_params,
         )
 
+    if kv_store is not None:
+        _add_kv_routes(app, kv_store)
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -157,3 +177,39 @@ def create_app(engine: PrefillEngine, kv_sink: KVSink | None = None) -> FastAPI:
         )
 
     return app
+
+
+def _add_kv_routes(app: FastAPI, store: SharedDirTransport) -> None:
+    def locate(handoff_id: str) -> tuple[str, os.stat_result] | JSONResponse:
+        try:
+            path = store.path(handoff_id)
+        except KVHandoffError as e:
+            return error_response(400, str(e), param="handoff_id")
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return error_response(
+                404,
+                f"no KV hand-off {handoff_id!r} on this prefill instance (never written, "
+                "already consumed, or swept)",
+            )
+        return str(path), st
+
+    @app.get("/v1/kv/{handoff_id}")
+    async def get_kv(handoff_id: str) -> Response:
+        found = locate(handoff_id)
+        if isinstance(found, JSONResponse):
+            return found
+        path, st = found
+        # stat_result given: no second stat. A sweep between here and the open (files
+        # older than the sweep age only) drops the connection, which decode reports.
+        return _KVFileResponse(path, stat_result=st, media_type="application/octet-stream")
+
+    @app.delete("/v1/kv/{handoff_id}")
+    async def delete_kv(handoff_id: str) -> Any:
+        found = locate(handoff_id)
+        if isinstance(found, JSONResponse):
+            return found
+        if not store.delete(handoff_id):  # deleted concurrently
+            return error_response(404, f"no KV hand-off {handoff_id!r} on this prefill instance")
+        return {"handoff_id": handoff_id, "deleted": True}
