@@ -99,6 +99,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="where configs, logs and KV hand-offs go")
     p.add_argument("--threads", type=int, default=None, help="torch threads per prefill")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--kv-transport",
+        default="shared_dir",
+        choices=["shared_dir", "http"],
+        help="KV hand-off: one shared directory, or each decode pulls from prefill over HTTP "
+        "into its own cache directory",
+    )
 
 
 def slo_table(scale: float) -> SLOTable:
@@ -155,13 +162,20 @@ def vllm_server_command(
 
 
 def decode_command(
-    model_dir: Path, port: int, kv_dir: Path, max_model_len: int = 8192
+    model_dir: Path,
+    port: int,
+    kv_dir: Path,
+    max_model_len: int = 8192,
+    transport: str = "shared_dir",
 ) -> list[str]:
-    """A decode instance: vLLM as a KV consumer of our hand-offs."""
+    """A decode instance: vLLM as a KV consumer of our hand-offs.
+
+    ``kv_dir``: the shared hand-off directory (``shared_dir``), or this instance's own
+    cache of hand-offs pulled from prefill (``http``)."""
     from flowprefill.kv import kv_transfer_config
 
     kv_config = {
-        **kv_transfer_config(str(kv_dir)),
+        **kv_transfer_config(str(kv_dir), transport=transport),
         # An unusable hand-off must mean "recompute", never a failed request.
         "kv_load_failure_policy": "recompute",
     }
@@ -245,6 +259,10 @@ def run(args: argparse.Namespace) -> int:
                     str(port),
                     "--kv-dir",
                     str(kv_dir),
+                    "--kv-transport",
+                    args.kv_transport,
+                    "--kv-advertise-url",
+                    url,
                 ],
                 url,
                 run_dir / "logs" / f"prefill-{i}.log",
@@ -258,7 +276,12 @@ def run(args: argparse.Namespace) -> int:
         children.append(
             Child(
                 f"decode-{i}",
-                decode_command(model_dir, port, kv_dir),
+                decode_command(
+                    model_dir,
+                    port,
+                    kv_dir if args.kv_transport == "shared_dir" else run_dir / f"kv-cache-{i}",
+                    transport=args.kv_transport,
+                ),
                 url,
                 run_dir / "logs" / f"decode-{i}.log",
                 env=decode_env(run_dir),
