@@ -11,7 +11,7 @@ to pull each hand-off over HTTP from the prefill instance named in the request's
 ``kv_transfer_params.flowprefill.source``::
 
         "kv_connector_extra_config": {"transport": "http", "cache_dir": "/local/cache",
-                                      "timeout_s": 5, "max_download_s": 60}
+                                      "header_timeout_s": 1, "timeout_s": 5}
 
 (see :class:`~flowprefill.kv.transport.HTTPPullTransport`).
 
@@ -29,7 +29,8 @@ one in each worker):
   synchronous (``False``): the copy is a memcpy-speed local read, cheaper than the async
   state machine's extra scheduler round trip. With the ``http`` transport the header is
   one HTTP range request made here, in the scheduler (it blocks scheduling for that round
-  trip, at most ``timeout_s``); the body is downloaded by the worker in ``start_load_kv``.
+  trip, at most ``header_timeout_s``); the body is downloaded by the worker in
+  ``start_load_kv`` (blocking that step's forward pass for the download).
 * **Unusable KV never fails a request.** A missing, corrupted or mismatching hand-off is
   logged, reported in the response's ``kv_transfer_params`` (``status: "recomputed"``) and
   the prompt is recomputed. A failure *during* the worker copy (after the scheduler counted

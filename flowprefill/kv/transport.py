@@ -189,7 +189,9 @@ class HTTPPullTransport:
       local copy only.
 
     Every failure — HTTP error status, refused connection, a server that stalls longer than
-    ``timeout_s`` between bytes, a download over ``max_download_s`` in total, a body larger
+    ``timeout_s`` between bytes (``header_timeout_s`` in total for the header, which runs
+    in vLLM's scheduler and blocks it that long), a download over ``max_download_s`` in
+    total, a body larger
     than ``max_bytes`` or shorter than announced — is a :class:`KVHandoffError`
     (:class:`KVNotFoundError` for 404) naming the URL; the connector then recomputes.
     Local copies older than ``cache_max_age_s`` are swept (a crashed request's leftovers).
@@ -200,14 +202,16 @@ class HTTPPullTransport:
         cache_dir: str | os.PathLike[str] | None = None,
         *,
         timeout_s: float = 5.0,
+        header_timeout_s: float = 1.0,
         max_download_s: float = 60.0,
         max_bytes: int = 32 * 2**30,
         cache_max_age_s: float = 600.0,
     ) -> None:
-        if timeout_s <= 0 or max_download_s <= 0 or max_bytes <= 0:
+        if min(timeout_s, header_timeout_s, max_download_s, max_bytes) <= 0:
             raise KVHandoffError("http transport: timeouts and max_bytes must be positive")
         self.cache = SharedDirTransport(cache_dir or default_cache_path())
         self.timeout_s = float(timeout_s)
+        self.header_timeout_s = float(header_timeout_s)
         self.max_download_s = float(max_download_s)
         self.max_bytes = int(max_bytes)
         self.cache_max_age_s = float(cache_max_age_s)
@@ -308,7 +312,7 @@ class HTTPPullTransport:
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         t0 = time.monotonic()
         try:
-            with self._stream(url, {}) as resp:
+            with self._stream(url, {}, self.timeout_s) as resp:
                 _check_status(resp, url, (200,))
                 announced = _content_length(resp)
                 if announced is not None and announced > self.max_bytes:
@@ -345,11 +349,11 @@ class HTTPPullTransport:
         """Up to ``length`` bytes from ``start`` (fewer at the end of the file)."""
         t0 = time.monotonic()
         headers = {"Range": f"bytes={start}-{start + length - 1}"}
-        with self._stream(url, headers) as resp:
+        with self._stream(url, headers, self.header_timeout_s) as resp:
             _check_status(resp, url, (200, 206))
             skip = start if resp.status_code == 200 else 0  # server ignored the range
             buf = bytearray()
-            for chunk in self._chunks(resp, url, t0, self.timeout_s):
+            for chunk in self._chunks(resp, url, t0, self.header_timeout_s):
                 buf += chunk
                 if len(buf) >= skip + length:
                     break
@@ -365,14 +369,16 @@ class HTTPPullTransport:
                 raise KVHandoffError(f"{url}: transfer took longer than {budget:g} s; aborted")
 
     @contextlib.contextmanager
-    def _stream(self, url: str, headers: dict[str, str]) -> Iterator[httpx.Response]:
+    def _stream(
+        self, url: str, headers: dict[str, str], timeout_s: float
+    ) -> Iterator[httpx.Response]:
         """GET ``url`` streamed; transport failures become KVHandoffError naming it."""
         try:
-            with self._http().stream("GET", url, headers=headers) as resp:
+            with self._http().stream("GET", url, headers=headers, timeout=timeout_s) as resp:
                 yield resp
         except httpx.TimeoutException as exc:
             raise KVHandoffError(
-                f"GET {url}: no response within {self.timeout_s:g} s ({type(exc).__name__})"
+                f"GET {url}: no response within {timeout_s:g} s ({type(exc).__name__})"
             ) from exc
         except httpx.HTTPError as exc:
             raise KVHandoffError(f"GET {url} failed: {type(exc).__name__}: {exc}") from exc
@@ -429,6 +435,7 @@ def make_transport(name: str, **options: object) -> KVTransport:
 
     * ``shared_dir`` — option ``path`` (default :func:`default_storage_path`).
     * ``http`` — options ``cache_dir`` (default :func:`default_cache_path`), ``timeout_s``,
+      ``header_timeout_s``,
       ``max_download_s``, ``max_bytes``, ``cache_max_age_s`` (see :class:`HTTPPullTransport`).
 
     Options a transport does not use are ignored (the connector passes its whole
@@ -444,7 +451,8 @@ def make_transport(name: str, **options: object) -> KVTransport:
         if not isinstance(cache_dir, str | os.PathLike):
             raise KVHandoffError("http transport: 'cache_dir' must be a path")
         numbers: dict[str, float] = {}
-        for key in ("timeout_s", "max_download_s", "max_bytes", "cache_max_age_s"):
+        keys = ("timeout_s", "header_timeout_s", "max_download_s", "max_bytes", "cache_max_age_s")
+        for key in keys:
             value = options.get(key)
             if value is None:
                 continue
@@ -454,6 +462,7 @@ def make_transport(name: str, **options: object) -> KVTransport:
         return HTTPPullTransport(
             cache_dir,
             timeout_s=numbers.get("timeout_s", 5.0),
+            header_timeout_s=numbers.get("header_timeout_s", 1.0),
             max_download_s=numbers.get("max_download_s", 60.0),
             max_bytes=int(numbers.get("max_bytes", 32 * 2**30)),
             cache_max_age_s=numbers.get("cache_max_age_s", 600.0),

@@ -154,3 +154,19 @@ def test_delete_after_load(store: Path) -> None:
     conn.get_num_new_matched_tokens(req, 0)
     conn.request_finished(req, [])
     assert not (store / "h1.kv.safetensors").exists()
+
+
+def test_http_transport_unreachable_source_means_recompute(store: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    conn = make_connector(store, transport="http", cache_dir=str(store / "cache"))
+    assert conn._delete_after_load  # http: the consumer deletes at the source by default
+    ref = HandoffRef("h1", len(PROMPT), source=f"http://127.0.0.1:{port}")
+    req = request("a", [*PROMPT, 7], ref.to_params())
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    _, out = conn.request_finished(req, [])
+    assert out["flowprefill"]["status"] == "recomputed"
+    assert "ConnectError" in out["flowprefill"]["reason"]

@@ -270,10 +270,10 @@ def test_stalled_server_times_out(tmp_path: Path) -> None:
         time.sleep(10)  # never answers
 
     with raw_server(stall) as url:
-        transport = pull(tmp_path, timeout_s=0.5)
+        transport = pull(tmp_path, timeout_s=0.5, header_timeout_s=0.3)
         ref = HandoffRef("slow", source=url)
         t0 = time.monotonic()
-        with pytest.raises(KVHandoffError, match=r"no response within 0.5 s \(ReadTimeout\)"):
+        with pytest.raises(KVHandoffError, match=r"no response within 0\.3 s \(ReadTimeout\)"):
             transport.header(ref)
         assert time.monotonic() - t0 < 3
         t0 = time.monotonic()
@@ -380,9 +380,11 @@ def test_shared_dir_transport_takes_refs(tmp_path: Path) -> None:
 
 
 def test_make_transport_http(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    t = make_transport("http", cache_dir=str(tmp_path / "c"), timeout_s=2, max_bytes=10)
+    t = make_transport(
+        "http", cache_dir=str(tmp_path / "c"), timeout_s=2, header_timeout_s=0.5, max_bytes=10
+    )
     assert isinstance(t, HTTPPullTransport)
-    assert (t.root, t.timeout_s, t.max_bytes) == (tmp_path / "c", 2.0, 10)
+    assert (t.root, t.timeout_s, t.header_timeout_s, t.max_bytes) == (tmp_path / "c", 2, 0.5, 10)
     monkeypatch.setenv("FLOWPREFILL_KV_CACHE_DIR", str(tmp_path / "env"))
     env = make_transport("http")
     assert isinstance(env, HTTPPullTransport) and env.root == tmp_path / "env"

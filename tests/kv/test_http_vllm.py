@@ -196,7 +196,7 @@ def test_truncated_body_fails_in_the_worker_and_is_recomputed(stack: dict[str, A
 
 def test_stalled_source_costs_the_timeout_not_a_hang(stack: dict[str, Any]) -> None:
     """A prefill pod that accepts but never answers: the scheduler's header fetch gives up
-    after timeout_s (5 s default) and the prompt is recomputed."""
+    after header_timeout_s (1 s default) and the prompt is recomputed."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(4)
@@ -222,8 +222,8 @@ def test_stalled_source_costs_the_timeout_not_a_hang(stack: dict[str, Any]) -> N
         for conn in held:
             conn.close()
     result = disagg["kv_transfer_params"]["flowprefill"]
-    assert result["status"] == "recomputed" and "no response within 5 s" in result["reason"]
-    assert 4.5 < elapsed < 30, elapsed
+    assert result["status"] == "recomputed" and "no response within 1 s" in result["reason"]
+    assert 0.9 < elapsed < 30, elapsed
     alone = complete(stack, ids, MAX_TOKENS)
     assert [first, *disagg["choices"][0]["token_ids"]] == alone["choices"][0]["token_ids"]
     # The engine is fine afterwards.
