@@ -78,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
         source = None
         if args.kv_transport == "http":
             source = advertise_url(args.host, args.port, args.kv_advertise_url)
+            if args.host in ("0.0.0.0", "::") and "://127." in source:
+                log.warning(
+                    "KV hand-offs advertised as %s, which other machines cannot reach: set "
+                    "--kv-advertise-url or $FLOWPREFILL_KV_ADVERTISE_URL (e.g. the pod IP)",
+                    source,
+                )
         kv_sink = directory_sink(
             args.kv_dir or default_storage_path(),
             model.config,
