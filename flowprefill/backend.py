@@ -40,7 +40,11 @@ def build_executor(
         )
     model = model if model is not None else load_engine_model(config)
     return PreemptibleExecutor(
-        model, granularity=config.granularity, chunk_size=config.chunk_size, device=config.device
+        model,
+        granularity=config.granularity,
+        chunk_size=config.chunk_size,
+        device=config.device,
+        kernels=config.kernels,
     )
 
 

@@ -43,6 +43,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and activations dtype."
     )
+    kernels: Literal["fast", "reference"] | None = Field(
+        None,
+        description="Executor kernels: fast (oneDNN linears on prepacked float32 CPU weights) "
+        "or reference (the model's own modules); None: $FLOWPREFILL_KERNELS, else fast.",
+    )
     tp_size: int = Field(1, ge=1, description="Tensor-parallel degree.")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: torch's default)."

@@ -33,6 +33,8 @@ from rich.console import Console
 from flowprefill.config import EngineConfig
 from flowprefill.contracts import Endpoint, GatewayConfig, SLOTable, SLOTableClass
 from flowprefill.errors import FlowPrefillError
+from flowprefill.scheduler.batching import BATCHING
+from flowprefill.scheduler.policies import POLICIES
 
 PAPER_SLOS_S = {"text": 0.25, "image": 0.5, "search": 4.0, "file": 6.0}
 PRIORITIES = {"text": 30, "image": 20, "search": 10, "file": 0}
@@ -90,8 +92,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode (vLLM) instances; 0 = none")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
-    p.add_argument("--policy", default="s-edf")
+    p.add_argument("--policy", default="s-edf", choices=sorted(POLICIES), help="priority policy")
     p.add_argument("--granularity", default="operator", choices=["operator", "layer", "none"])
+    p.add_argument(
+        "--batching",
+        default="slo-aware",
+        choices=sorted(BATCHING),
+        help="batching policy (member-headroom: each member's own deadline; docs/simulator.md)",
+    )
+    p.add_argument(
+        "--batch-token-budget", type=int, default=4096, help="most tokens in one batched prefill"
+    )
+    p.add_argument(
+        "--chunk-size", type=int, default=None, help="split prompts into chunks of this many tokens"
+    )
     p.add_argument(
         "--routing", default="slack-aware", choices=["slack-aware", "round-robin", "least-loaded"]
     )
@@ -237,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
             model_path=str(model_dir),
             granularity=args.granularity,
             policy=args.policy,
+            batching=args.batching,
+            batch_token_budget=args.batch_token_budget,
+            chunk_size=args.chunk_size,
             predictor_path=str(profile),
             num_threads=args.threads,
         )

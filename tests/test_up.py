@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from flowprefill.cli import main
+from flowprefill.config import EngineConfig
 from flowprefill.predictor.model import TTFTPredictor
 from tests.helpers import free_port
 
@@ -44,6 +46,10 @@ def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
             str(profile),
             "--run-dir",
             str(tmp_path / "run"),
+            "--batching",
+            "member-headroom",
+            "--batch-token-budget",
+            "2048",
         ],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
@@ -69,6 +75,8 @@ def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
             "slo-table.json",
             "logs",
         }
+        engine = EngineConfig.load(tmp_path / "run" / "engine-1.json")
+        assert (engine.batching, engine.batch_token_budget) == ("member-headroom", 2048)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
@@ -83,7 +91,9 @@ def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
     assert not alive
 
 
-def test_decode_with_an_unsupported_head_size_is_refused(tmp_path, capsys, monkeypatch) -> None:
+def test_decode_with_an_unsupported_head_size_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import importlib.util
 
     monkeypatch.setenv("FLOWPREFILL_MODEL_CACHE", str(tmp_path / "models"))
@@ -94,3 +104,15 @@ def test_decode_with_an_unsupported_head_size_is_refused(tmp_path, capsys, monke
         assert "vLLM" in err and "--decode 0" in err
     else:
         assert "head_dim 16" in err
+
+
+def test_unknown_engine_policy_names_are_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flag, value in (("--batching", "biggest-first"), ("--policy", "lifo")):
+        with pytest.raises(SystemExit) as exc:
+            main(["up", flag, value, "--run-dir", str(tmp_path)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{flag}: invalid choice: '{value}'" in err
+    assert not any(tmp_path.iterdir())

@@ -191,6 +191,10 @@ class Reconciler:
             problems.append(
                 Problem("ModelVolumeNotFound", f"PVC {spec.model.pvc.claim_name!r} not found")
             )
+        kv = spec.kv_handoff
+        if kv and kv.claim_name and not self.kube.get("PersistentVolumeClaim", ns, kv.claim_name):
+            problems.append(Problem("KVVolumeNotFound", f"PVC {kv.claim_name!r} not found"))
+        problems += self._kv_mismatch(pool)
         profile = spec.engine.ttft_profile if spec.engine else None
         if profile:
             cm = self.kube.get("ConfigMap", ns, profile.name)
@@ -201,6 +205,29 @@ class Reconciler:
                     Problem("ProfileNotFound", f"ConfigMap {profile.name!r} has no {profile.key!r}")
                 )
         return problems
+
+    def _kv_mismatch(self, pool: PoolRef) -> list[Problem]:
+        """The service's pools of the other role must hand KV off the same way, or decode
+        silently recomputes every prompt (the hand-off never arrives)."""
+
+        def describe(p: PoolRef) -> str:
+            kv = p.spec.kv_handoff
+            if kv is None:
+                return "no kvHandoff"
+            return f"kvHandoff {kv.transport}" + (f" ({kv.claim_name})" if kv.claim_name else "")
+
+        def key(p: PoolRef) -> tuple[str, str | None] | None:
+            return p.spec.kv_handoff.key() if p.spec.kv_handoff else None
+
+        others = [
+            p
+            for p in self._pools_of(pool.namespace, pool.spec.service, exclude=pool.name)
+            if p.spec.role != pool.spec.role and key(p) != key(pool)
+        ]
+        if not others:
+            return []
+        theirs = ", ".join(f"{p.spec.role} pool {p.name!r} has {describe(p)}" for p in others)
+        return [Problem("KVHandoffMismatch", f"this pool has {describe(pool)} but {theirs}")]
 
     def delete_pool(self, body: Body) -> None:
         """Remove the pool's children now (the GC would too, via owner references)."""

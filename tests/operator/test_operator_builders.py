@@ -109,6 +109,7 @@ def test_prefill_command_config_and_probes() -> None:
         "device": "cuda",
         "dtype": "bfloat16",
         "batching": "slo-aware",
+        "kernels": None,
         "num_threads": None,
     }
     svc = by_kind(children, "Service")[0]
@@ -158,21 +159,80 @@ def test_decode_command_and_model_image_volume() -> None:
     assert by_kind(build_pool_children(D, SETTINGS), "ConfigMap") == []
 
 
-def test_kv_handoff_volume_wires_both_roles() -> None:
+def _pod(spec: ServingPoolSpec) -> dict[str, Any]:
+    dep = by_kind(build_pool_children(PoolRef("x", "ns", "u", spec), SETTINGS), "Deployment")[0]
+    kubernetes_validate.validate(dep, "1.33", strict=True)
+    pod: dict[str, Any] = dep["spec"]["template"]["spec"]
+    return pod
+
+
+def _kv_config(command: list[str]) -> dict[str, Any]:
+    config: dict[str, Any] = json.loads(command[command.index("--kv-transfer-config") + 1])
+    return config["kv_connector_extra_config"]
+
+
+def test_shared_dir_kv_handoff_mounts_the_claim_in_both_roles() -> None:
     handoff = {"claimName": "kv", "mountPath": "/kv"}
     p = PREFILL.model_validate({**PREFILL.wire(), "kvHandoff": handoff})
     d = DECODE.model_validate({**DECODE.wire(), "kvHandoff": handoff})
     for spec in (p, d):
-        dep = by_kind(build_pool_children(PoolRef("x", "ns", "u", spec), SETTINGS), "Deployment")[0]
-        pod = dep["spec"]["template"]["spec"]
+        pod = _pod(spec)
         assert {"name": "kv", "persistentVolumeClaim": {"claimName": "kv"}} in pod["volumes"]
         assert {"name": "kv", "mountPath": "/kv"} in pod["containers"][0]["volumeMounts"]
         command = pod["containers"][0]["command"]
         if spec.role == "prefill":
-            assert command[-2:] == ["--kv-dir", "/kv"]
+            assert command[-4:] == ["--kv-dir", "/kv", "--kv-max-age", "600"]
         else:
-            config = json.loads(command[command.index("--kv-transfer-config") + 1])
-            assert config["kv_connector_extra_config"] == {"shared_storage_path": "/kv"}
+            assert _kv_config(command) == {"shared_storage_path": "/kv"}
+
+
+def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> None:
+    handoff = {"transport": "http", "sizeLimit": "20Gi", "maxAgeSeconds": 120}
+    p = PREFILL.model_validate({**PREFILL.wire(), "kvHandoff": handoff})
+    d = DECODE.model_validate({**DECODE.wire(), "kvHandoff": {"transport": "http"}})
+    mount = "/var/lib/flowprefill/kv"
+
+    prefill = _pod(p)
+    container = prefill["containers"][0]
+    assert {"name": "kv", "emptyDir": {"sizeLimit": "20Gi"}} in prefill["volumes"]
+    assert {"name": "kv", "mountPath": mount} in container["volumeMounts"]
+    command = container["command"]
+    assert command[command.index("--kv-dir") + 1] == mount
+    assert command[command.index("--kv-transport") + 1] == "http"
+    assert command[command.index("--kv-max-age") + 1] == "120"
+    env = [e["name"] for e in container["env"]]
+    # $(POD_IP) expands only from variables defined before it.
+    assert env.index("POD_IP") < env.index("FLOWPREFILL_KV_ADVERTISE_URL")
+    by_name = {e["name"]: e for e in container["env"]}
+    assert by_name["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert by_name["FLOWPREFILL_KV_ADVERTISE_URL"]["value"] == "http://$(POD_IP):8100"
+    assert container["ports"][0]["containerPort"] == 8100
+
+    decode = _pod(d)
+    container = decode["containers"][0]
+    assert {"name": "kv", "emptyDir": {}} in decode["volumes"]
+    assert _kv_config(container["command"]) == {"transport": "http", "cache_dir": mount}
+    assert "POD_IP" not in {e["name"] for e in container["env"]}
+
+
+def test_http_kv_handoff_matches_what_the_connector_and_server_read() -> None:
+    from flowprefill.kv import kv_transfer_config as connector_config
+    from flowprefill.server.kv_sink import ADVERTISE_URL_ENV
+
+    d = DECODE.model_validate({**DECODE.wire(), "kvHandoff": {"transport": "http"}})
+    command = _pod(d)["containers"][0]["command"]
+    built = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert built == connector_config("/var/lib/flowprefill/kv", transport="http")
+    p = PREFILL.model_validate({**PREFILL.wire(), "kvHandoff": {"transport": "http"}})
+    assert ADVERTISE_URL_ENV in {e["name"] for e in _pod(p)["containers"][0]["env"]}
+
+
+def test_engine_batching_reaches_engine_json() -> None:
+    p = PREFILL.model_validate(
+        {**PREFILL.wire(), "engine": {**PREFILL.wire()["engine"], "batching": "member-headroom"}}
+    )
+    assert build_engine_config(p).batching == "member-headroom"
+    assert build_engine_config(PREFILL).batching == "slo-aware"
 
 
 def test_children_are_owned_by_their_pool_and_gateway_by_all_pools() -> None:

@@ -319,6 +319,36 @@ def test_unsatisfiable_specs_are_reported(cluster: Cluster) -> None:
     wait_for(lambda: "InsufficientCapacity" in cluster.event_reasons(ns, "m-prefill"), what="event")
 
 
+def test_kv_handoff_the_pools_disagree_on_is_reported_on_both(cluster: Cluster) -> None:
+    ns = "e2e-kv"
+    create(cluster, pool("m-prefill", "m", kvHandoff={"transport": "http"}), ns)
+    create(cluster, pool("m-decode", "m", role="decode"), ns)
+
+    def degraded(name: str) -> str:
+        return cluster.condition(ns, name, "Degraded")[0]
+
+    def reason(name: str) -> str:
+        return cluster.condition(ns, name, "Degraded")[1]
+
+    for name in ("m-prefill", "m-decode"):
+        wait_for(lambda: reason(name) == "KVHandoffMismatch", what=f"{name} KVHandoffMismatch")  # noqa: B023
+    message = next(
+        c["message"]
+        for c in cluster.get("ServingPool", ns, "m-decode")["status"]["conditions"]
+        if c["type"] == "Degraded"
+    )
+    assert message == "this pool has no kvHandoff but prefill pool 'm-prefill' has kvHandoff http"
+    wait_for(lambda: "KVHandoffMismatch" in cluster.event_reasons(ns, "m-decode"), what="event")
+    # The children are still applied: the pods can run, only the hand-off would not work.
+    assert cluster.kube.get("Deployment", ns, "m-decode") is not None
+    agree = {"spec": {"kvHandoff": {"transport": "http"}}}
+    cluster.kube.patch("ServingPool", ns, "m-decode", agree)
+    for name in ("m-prefill", "m-decode"):  # the other pool clears on its next timer
+        wait_for(lambda: degraded(name) == "False", what=f"{name} agrees")  # noqa: B023
+    decode = cluster.get("Deployment", ns, "m-decode")["spec"]["template"]["spec"]
+    assert {"name": "kv", "emptyDir": {}} in decode["volumes"]
+
+
 def test_deleting_pools_removes_their_children(cluster: Cluster) -> None:
     ns = "e2e-delete"
     create(cluster, slo("chat", 250, default=True), ns)

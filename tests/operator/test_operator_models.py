@@ -124,6 +124,12 @@ BAD_POOLS = [
         {"model": {"path": "/models/m", "pvc": {"claimName": "w"}, "image": {"reference": "x"}}},
         "at most one of pvc and image",
     ),
+    ({"engine": {"batching": "biggest-first"}}, "batching"),
+    ({"kvHandoff": {}}, "claimName is required with transport sharedDir"),
+    ({"kvHandoff": {"transport": "http", "claimName": "kv"}}, "not used with http"),
+    ({"kvHandoff": {"claimName": "kv", "sizeLimit": "1Gi"}}, "sizeLimit applies to"),
+    ({"kvHandoff": {"transport": "nfs"}}, "transport"),
+    ({"kvHandoff": {"transport": "http", "maxAgeSeconds": 1}}, "maxAgeSeconds"),
     ({"unknownField": 1}, "unknownField"),
 ]
 
@@ -194,3 +200,15 @@ def test_bad_classes_are_refused(override: dict[str, Any], message: str, crd_sch
     assert any(message in e for e in errors), errors
     with pytest.raises(ValidationError):
         SLOClassSpec.model_validate(obj["spec"])
+
+
+def test_engine_settings_offer_exactly_the_engines_policies() -> None:
+    from typing import get_args
+
+    from flowprefill_operator.models.servingpool import Batching, Policy
+
+    from flowprefill.scheduler.batching import BATCHING
+    from flowprefill.scheduler.policies import POLICIES
+
+    assert set(get_args(Batching)) == set(BATCHING)
+    assert set(get_args(Policy)) == set(POLICIES)

@@ -28,6 +28,9 @@ from .common import (
 )
 
 ENGINE_CONFIG_PATH = "/etc/flowprefill/engine.json"
+# Read by `flowprefill serve-prefill` (flowprefill.server.kv_sink); spelled out so the
+# operator does not import the server.
+ADVERTISE_URL_ENV = "FLOWPREFILL_KV_ADVERTISE_URL"
 PROFILE_DIR = "/etc/flowprefill/profile"
 KV_TRANSFER_CONFIG = {
     "kv_connector": "FlowPrefillConnector",
@@ -53,6 +56,7 @@ def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
         batch_token_budget=engine.batch_token_budget,
         chunk_size=engine.chunk_size,
         policy=engine.policy,
+        batching=engine.batching,
         predictor_path=f"{PROFILE_DIR}/{profile.key}" if profile else None,
         tp_size=engine.tp_size,
         device=engine.device,
@@ -65,15 +69,21 @@ def prefill_command(spec: ServingPoolSpec) -> list[str]:
         "flowprefill", "serve-prefill", "--config", ENGINE_CONFIG_PATH,
         "--port", str(PREFILL_PORT),
     ]  # fmt: skip
-    if spec.kv_handoff:
-        command += ["--kv-dir", spec.kv_handoff.mount_path]
+    if kv := spec.kv_handoff:
+        command += ["--kv-dir", kv.mount_path, "--kv-max-age", str(kv.max_age_seconds)]
+        if kv.transport == "http":
+            command += ["--kv-transport", "http"]
     return command
 
 
 def kv_transfer_config(spec: ServingPoolSpec) -> dict[str, Any]:
     config: dict[str, Any] = dict(KV_TRANSFER_CONFIG)
-    if spec.kv_handoff:
-        config["kv_connector_extra_config"] = {"shared_storage_path": spec.kv_handoff.mount_path}
+    if kv := spec.kv_handoff:
+        config["kv_connector_extra_config"] = (
+            {"transport": "http", "cache_dir": kv.mount_path}
+            if kv.transport == "http"
+            else {"shared_storage_path": kv.mount_path}
+        )
     return config
 
 
@@ -85,6 +95,30 @@ def decode_command(spec: ServingPoolSpec) -> list[str]:
         "--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":")),
         *spec.vllm_args,
     ]  # fmt: skip
+
+
+def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The hand-off directory: the service's shared PVC, or (http) the pod's own emptyDir."""
+    kv = spec.kv_handoff
+    if kv is None:
+        return [], []
+    if kv.transport == "http":
+        empty_dir = {"sizeLimit": kv.size_limit} if kv.size_limit else {}
+        volume: dict[str, Any] = {"name": "kv", "emptyDir": empty_dir}
+    else:
+        volume = {"name": "kv", "persistentVolumeClaim": {"claimName": kv.claim_name}}
+    return [volume], [{"name": "kv", "mountPath": kv.mount_path}]
+
+
+def kv_env(spec: ServingPoolSpec) -> list[dict[str, Any]]:
+    """Prefill over http advertises its pod IP, so decode pulls from the pod that has the KV
+    (the Service name would land on any replica)."""
+    if spec.role != "prefill" or not spec.kv_handoff or spec.kv_handoff.transport != "http":
+        return []
+    return [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": ADVERTISE_URL_ENV, "value": f"http://$(POD_IP):{PREFILL_PORT}"},
+    ]
 
 
 def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
@@ -137,11 +171,9 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
     model_volumes, model_mounts = model_volume(spec)
     volumes += model_volumes
     mounts += model_mounts
-    if spec.kv_handoff:
-        volumes.append(
-            {"name": "kv", "persistentVolumeClaim": {"claimName": spec.kv_handoff.claim_name}}
-        )
-        mounts.append({"name": "kv", "mountPath": spec.kv_handoff.mount_path})
+    kv_volumes, kv_mounts = kv_volume(spec)
+    volumes += kv_volumes
+    mounts += kv_mounts
     if spec.role == "prefill":
         image = spec.image or settings.prefill_image
         command = prefill_command(spec)
@@ -165,7 +197,7 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
         "imagePullPolicy": settings.image_pull_policy,
         "command": command,
         "ports": [{"name": "http", "containerPort": pool_port(spec), "protocol": "TCP"}],
-        "env": list(SCRATCH_ENV),
+        "env": [*SCRATCH_ENV, *kv_env(spec)],
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
         **probes,

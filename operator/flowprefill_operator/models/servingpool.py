@@ -11,6 +11,7 @@ from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
 Role = Literal["prefill", "decode"]
 Granularity = Literal["operator", "layer", "none"]
 Policy = Literal["s-edf", "d-edf", "edf", "fcfs"]
+Batching = Literal["slo-aware", "member-headroom", "member-aware", "headroom", "greedy", "none"]
 
 
 class PVCSource(CRModel):
@@ -78,20 +79,71 @@ class ModelSource(CRModel):
 
 
 class KVHandoff(CRModel):
-    """A volume shared by the prefill and decode pools of a service for the KV hand-off.
+    """How each prompt's KV cache travels from the prefill pool to the decode pool.
 
-    The engine writes each prompt's KV cache there (``--kv-dir``) and the decode pool's
-    FlowPrefillConnector reads it (``shared_storage_path``): a ReadWriteMany PVC, the same
-    claim in both pools.
+    ``http`` (no shared storage): each prefill pod keeps its hand-offs on its own
+    ``emptyDir`` and serves them at ``GET /v1/kv/<id>`` on its port; decode's
+    FlowPrefillConnector pulls each into its own ``emptyDir`` and deletes the source after
+    loading. ``sharedDir``: a ReadWriteMany PVC (``claimName``), the same claim in both
+    pools. Both pools of a service must use the same transport (and claim).
     """
 
-    claim_name: str = Field(max_length=253, description="ReadWriteMany PVC of the service.")
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.transport == 'sharedDir' ? has(self.claimName) : !has(self.claimName)",
+                    "claimName is required with transport sharedDir and not used with http",
+                ),
+                cel(
+                    "self.transport == 'http' || !has(self.sizeLimit)",
+                    "sizeLimit applies to transport http (the emptyDir)",
+                ),
+            ]
+        }
+    )
+
+    transport: Literal["sharedDir", "http"] = Field(
+        default="sharedDir",
+        description="sharedDir: a ReadWriteMany PVC in both pools; http: decode pulls from the "
+        "prefill pod that computed the KV (each pod's own emptyDir).",
+    )
+    claim_name: str | None = Field(
+        default=None, max_length=253, description="ReadWriteMany PVC (transport sharedDir)."
+    )
     mount_path: str = Field(
         default="/var/lib/flowprefill/kv",
         pattern=r"^/",
         max_length=256,
-        description="Where the volume is mounted in both roles.",
+        description="Where the hand-off directory is mounted in both roles.",
     )
+    size_limit: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        max_length=64,
+        description="sizeLimit of each pod's emptyDir (transport http); room for maxAgeSeconds "
+        "of hand-offs (KV bytes per token x tokens per second).",
+    )
+    max_age_seconds: int = Field(
+        default=600,
+        ge=10,
+        le=86_400,
+        description="Prefill deletes hand-offs older than this that no decode has claimed.",
+    )
+
+    @model_validator(mode="after")
+    def _mirror_cel(self) -> KVHandoff:
+        if (self.transport == "sharedDir") != (self.claim_name is not None):
+            raise ValueError(
+                "claimName is required with transport sharedDir and not used with http"
+            )
+        if self.transport != "http" and self.size_limit is not None:
+            raise ValueError("sizeLimit applies to transport http (the emptyDir)")
+        return self
+
+    def key(self) -> tuple[str, str | None]:
+        """What both pools of a service must agree on."""
+        return (self.transport, self.claim_name)
 
 
 class ConfigMapKeyRef(CRModel):
@@ -130,6 +182,11 @@ class EngineSettings(CRModel):
         description="Chunked-prefill size in tokens; unset = off.",
     )
     policy: Policy = Field(default="s-edf", description="Scheduling policy (s-edf is FlowPrefill).")
+    batching: Batching = Field(
+        default="slo-aware",
+        description="Batching policy: slo-aware is FlowPrefill's Algorithm 1; member-headroom "
+        "also keeps each member's own deadline; none runs one request at a time.",
+    )
     ttft_profile: ConfigMapKeyRef | None = Field(
         default=None, description="ConfigMap key holding the fitted TTFT profile JSON."
     )
@@ -221,7 +278,8 @@ class ServingPoolSpec(CRModel):
     )
     kv_handoff: KVHandoff | None = Field(
         default=None,
-        description="Shared volume for prefill->decode KV hand-off; unset = no hand-off.",
+        description="KV hand-off from prefill to decode (same in both pools); unset = decode "
+        "recomputes the prompt.",
     )
     vllm_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list,
