@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     )
     rate_results: dict[float, dict[str, Any]] = {}
     raw: dict[float, list[Outcome]] = {}
-    for rate in rates:
+    for round_index, rate in enumerate(rates):
         reqs = workload.requests(rate, slo_scale=args.slo_scale)
         for req in reqs:
             scaled = round(req.num_tokens * args.length_scale)
@@ -140,7 +140,12 @@ def run(args: argparse.Namespace) -> int:
         with Progress(console=console, transient=True) as progress:
             bar = progress.add_task(f"rate {rate:g} req/s", total=len(reqs))
             outcomes = asyncio.run(
-                replay(reqs, opts, lambda _, bar=bar: progress.advance(bar))  # type: ignore[misc]
+                replay(
+                    reqs,
+                    opts,
+                    lambda _, bar=bar: progress.advance(bar),  # type: ignore[misc]
+                    round_index=round_index,
+                )
             )
         raw[rate] = outcomes
         rate_results[rate] = summarize(outcomes)

@@ -92,11 +92,29 @@ async def _one(
     return out
 
 
+def random_prompts(
+    requests: list[Request], vocab_size: int, seed: int, round_index: int
+) -> list[list[int]]:
+    """Random token ids, one prompt per request, different in every round of a run.
+
+    A server with a prefix cache (vLLM's is on by default) would otherwise recognise the
+    previous rate's prompts and skip their prefill, so every rate after the first would
+    measure cache hits, not scheduling. Seeded: the same (seed, round) gives the same prompts.
+    """
+    rng = random.Random(f"{seed}:{round_index}")
+    return [[rng.randrange(1, vocab_size) for _ in range(r.num_tokens)] for r in requests]
+
+
 async def replay(
-    requests: list[Request], opts: SendOptions, on_done: Callable[[Outcome], None] | None = None
+    requests: list[Request],
+    opts: SendOptions,
+    on_done: Callable[[Outcome], None] | None = None,
+    *,
+    round_index: int = 0,
 ) -> list[Outcome]:
-    rng = random.Random(opts.seed)
-    prompts = [[rng.randrange(1, opts.vocab_size) for _ in range(r.num_tokens)] for r in requests]
+    """Send ``requests`` open-loop at their arrival times; ``round_index`` numbers the
+    replays of one run (one per rate) so that each gets prompts of its own."""
+    prompts = random_prompts(requests, opts.vocab_size, opts.seed, round_index)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=opts.timeout_s, limits=limits) as client:
         start = time.monotonic() + 0.2

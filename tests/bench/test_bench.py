@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
+from fastapi import Request as FastAPIRequest
+from fastapi.responses import StreamingResponse
 
 from flowprefill.bench.report import goodput
 from flowprefill.cli import main
 from flowprefill.models import named_model_dir
-from tests.helpers import local_stack
+from tests.helpers import local_stack, serve_in_thread
 
 TABLE = {
     "version": 1,
@@ -77,3 +81,40 @@ def test_bad_flags_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--rates" in capsys.readouterr().err
     assert main(["bench", "--slo-table", "gpt-9", "--url", "http://127.0.0.1:9"]) == 2
     assert "gpt-9" in capsys.readouterr().err
+
+
+def _recording_server(seen: list[tuple[int, ...]]) -> FastAPI:
+    """An OpenAI-style completions endpoint that streams one token and keeps each prompt."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: FastAPIRequest) -> StreamingResponse:
+        body = await request.json()
+        seen.append(tuple(body["prompt"]))
+
+        async def events() -> AsyncIterator[str]:
+            yield 'data: {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_every_rate_sends_prompts_of_its_own(tmp_path: Path) -> None:
+    # Re-sent prompts would be prefix-cache hits on vLLM: every rate after the first would
+    # measure the cache, not the scheduler.
+    seen: list[tuple[int, ...]] = []
+    args = ["bench", "--num-requests", "20", "--length-scale", "0.05", "--max-tokens", "1"]
+    with serve_in_thread(_recording_server(seen)) as url:
+        for out in ("a", "b"):
+            argv = [*args, "--url", url, "--model", "m", "--rates", "40,80,160"]
+            assert main([*argv, "--out", str(tmp_path / out)]) == 0
+    assert len(seen) == 2 * 3 * 20
+    first_run, second_run = seen[:60], seen[60:]
+    # The prompts' leading tokens (a 16-token block: vLLM's cache granularity) never repeat
+    # within a run...
+    blocks = [p[:16] for p in first_run if len(p) >= 16]
+    assert len(blocks) > 30 and len(set(blocks)) == len(blocks)
+    # ...and a second run with the same seed sends the same prompts (reproducible).
+    assert sorted(first_run) == sorted(second_run)
