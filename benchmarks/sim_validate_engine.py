@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-import flowprefill.request as request_module
 from flowprefill.backend import profile_executor
 from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
@@ -34,18 +33,6 @@ from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.sim.config import CostSpec, SweepConfig
 from flowprefill.sim.validate import compare_with_measured, load_measured
 from flowprefill.sim.workload import qwen_like
-
-
-def apply_pending_engine_fix() -> None:
-    """The engine's loop crashes when a preempt races with a task's last operator:
-    ``Scheduler.finish`` moves the task's requests PREEMPTED → FINISHED, which request.py
-    forbids (reported; fix = allow that transition). Until it lands, allow it here so the
-    measurement can run; a no-op once fixed."""
-    allowed = request_module._ALLOWED
-    state = request_module.RequestState
-    if state.FINISHED not in allowed[state.PREEMPTED]:
-        allowed[state.PREEMPTED] = allowed[state.PREEMPTED] | {state.FINISHED}
-        print("note: patched request.py's PREEMPTED → FINISHED transition for this run")
 
 
 def measure_again(
@@ -72,7 +59,6 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="folder for profile.json and measured.jsonl")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timing)")
     args = ap.parse_args()
-    apply_pending_engine_fix()
     torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp(prefix="sim-validate-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -161,7 +147,7 @@ def main() -> None:
         for live in (False, True):
             cfg = SweepConfig(cost=cost, systems=("flowprefill",), live_progress=live)
             rep = compare_with_measured(cfg, load_measured(measured), system="flowprefill")
-            mode = "live progress (proposed engine fix)" if live else "as the engine"
+            mode = "as the engine: live progress" if live else "earlier engine: --no-live-progress"
             print(f"simulator ({label}, {mode}): {rep.summary()}")
         print(
             f"  work: engine CPU {serve_cpu_s:.1f} s vs simulated device time "
