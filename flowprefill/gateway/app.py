@@ -268,6 +268,8 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             return
         if state.decode_pool is None or state.decode_client is None:
             raise UpstreamError(503, "this gateway has no decode instances", "no_decode")
+        # The first token went out before prefill finished writing the KV cache.
+        kv_params = await answer.hand_off()
         finish: str | None = None
         for attempt in range(2):
             inst = state.decode_pool.pick(deadline_s=job.deadline_s, num_tokens=budget)
@@ -278,7 +280,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
                     prompt_token_ids=[*job.token_ids, answer.first_token_id],
                     max_tokens=budget,
                     sampling=job.body.decode_sampling(),
-                    kv_transfer_params=answer.kv_transfer_params,
+                    kv_transfer_params=kv_params,
                     headers=job.forward_headers(state.clock()),
                     request_id=job.request_id,
                 ):

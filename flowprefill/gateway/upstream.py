@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ import httpx
 
 if TYPE_CHECKING:
     import aiohttp
+
+log = logging.getLogger(__name__)
 
 HTTP_BACKENDS = ("auto", "aiohttp", "httpx")
 DRAIN_TIMEOUT_S = 1.0
@@ -294,6 +297,52 @@ class PrefillAnswer:
     prefill_ms: float
     num_preemptions: int
     kv_transfer_params: dict[str, Any] | None
+    kv_pending: asyncio.Task[dict[str, Any] | None] | None = None
+    """The rest of a streamed answer: the hand-off parameters once prefill has written them."""
+
+    async def hand_off(self) -> dict[str, Any] | None:
+        """What decode needs to load the prompt's KV cache; None: decode recomputes it."""
+        if self.kv_pending is None:
+            return self.kv_transfer_params
+        return await self.kv_pending
+
+
+def _answer(data: Any) -> PrefillAnswer:
+    try:
+        return PrefillAnswer(
+            first_token_id=int(data["first_token_id"]),
+            num_prompt_tokens=int(data["num_prompt_tokens"]),
+            prefill_ms=float(data["queue_and_prefill_ms"]),
+            num_preemptions=int(data.get("num_preemptions", 0)),
+            kv_transfer_params=data.get("kv_transfer_params"),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UpstreamError(
+            502, f"prefill instance sent a malformed answer ({e!r})", "prefill_failed"
+        ) from e
+
+
+async def _kv_params(payloads: AsyncGenerator[str, None], request_id: str) -> dict[str, Any] | None:
+    """Read a streamed prefill answer to its end; its ``kv_transfer_params`` event, if any.
+
+    Never raises (but for cancellation): a hand-off that does not arrive (prefill died
+    after the first token, a malformed event) means decode recomputes the prompt, not a
+    failed request."""
+    params: dict[str, Any] | None = None
+    try:
+        async with aclosing(payloads):
+            async for payload in payloads:
+                event = json.loads(payload)
+                if isinstance(event, dict) and isinstance(event.get("kv_transfer_params"), dict):
+                    params = event["kv_transfer_params"]
+    except Exception as e:
+        log.warning("KV hand-off of %s did not arrive (%r); decode will recompute", request_id, e)
+    return params
+
+
+_READING: set[asyncio.Task[Any]] = set()
+"""Hand-off reads nobody may await (first token EOS, client gone): the event loop keeps
+only weak references to tasks."""
 
 
 class PrefillClient:
@@ -311,6 +360,9 @@ class PrefillClient:
         headers: dict[str, str],
         hand_off_kv: bool = True,
     ) -> PrefillAnswer:
+        """The first token as soon as prefill has it. With ``hand_off_kv`` the answer is
+        streamed and the hand-off parameters follow (:meth:`PrefillAnswer.hand_off`), so
+        writing the KV cache is not on the time to first token."""
         body = {
             "request_id": request_id,
             "prompt_token_ids": token_ids,
@@ -318,14 +370,29 @@ class PrefillClient:
             "slo_class": slo_class,
             "hand_off_kv": hand_off_kv,
         }
-        data = await self.http.post_json("prefill", f"{url}/v1/prefill", body, headers)
-        return PrefillAnswer(
-            first_token_id=int(data["first_token_id"]),
-            num_prompt_tokens=int(data["num_prompt_tokens"]),
-            prefill_ms=float(data["queue_and_prefill_ms"]),
-            num_preemptions=int(data.get("num_preemptions", 0)),
-            kv_transfer_params=data.get("kv_transfer_params"),
-        )
+        url = f"{url}/v1/prefill"
+        if not hand_off_kv:
+            return _answer(await self.http.post_json("prefill", url, body, headers))
+        payloads = self.http.sse("prefill", url, {**body, "stream": True}, headers)
+        try:
+            first = await anext(payloads, None)
+            if first is None:
+                raise UpstreamError(
+                    502, "prefill instance ended its answer early", "prefill_failed"
+                )
+            try:
+                answer = _answer(json.loads(first))
+            except ValueError as e:
+                raise UpstreamError(
+                    502, f"prefill instance sent a malformed answer ({e})", "prefill_failed"
+                ) from e
+        except BaseException:
+            await payloads.aclose()
+            raise
+        task = asyncio.create_task(_kv_params(payloads, request_id))
+        _READING.add(task)
+        task.add_done_callback(_READING.discard)
+        return replace(answer, kv_pending=task)
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,6 +77,7 @@ from flowprefill.kv.format import KVHeader, ModelFingerprint, check_prompt
 from flowprefill.kv.paged import head_range, slot_mapping, to_token_major
 from flowprefill.kv.params import HandoffRef, num_tokens_to_load, result_params
 from flowprefill.kv.transport import default_storage_path, make_transport
+from flowprefill.kv.vllm_idle import cap_idle_spin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +91,10 @@ if TYPE_CHECKING:
 # A child of vLLM's "vllm" logger: it inherits vLLM's handler and format, so our lines
 # appear in the decode server's log (a "flowprefill.*" logger has no handler there).
 logger = logging.getLogger("vllm.flowprefill.kv.connector")
+
+# This module is imported in each vLLM process that builds the connector (the worker
+# among them): the place to apply $FLOWPREFILL_VLLM_IDLE_SPIN_S (see vllm_idle.py).
+cap_idle_spin()
 
 
 @dataclass

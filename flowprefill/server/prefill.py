@@ -3,7 +3,11 @@
 Endpoints:
 
 * ``POST /v1/prefill`` — body :class:`PrefillRequest`; answers when the request's prefill
-  finished with its first token and the KV hand-off parameters for decode.
+  finished with its first token and the KV hand-off parameters for decode. With
+  ``"stream": true`` the answer is server-sent events: the first token as soon as it
+  exists, then ``{"kv_transfer_params": ...}`` once the hand-off is written (``null`` if
+  writing failed: decode recomputes), then ``[DONE]`` — so the KV write is not on the
+  request's time to first token.
 * ``GET /v1/kv/{id}``, ``DELETE /v1/kv/{id}`` — with the ``http`` KV transport: the
   hand-off file (streamed; ``Range`` requests answered, so decode reads the header alone)
   and its removal once decode is done. 404 when it is absent (never written, consumed or
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -28,7 +33,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import (
+    FileResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,6 +62,11 @@ class PrefillRequest(BaseModel):
     )
     slo_class: str = Field("default", max_length=128, description="SLO class name (metrics).")
     hand_off_kv: bool = Field(True, description="Write the KV hand-off for decode.")
+    stream: bool = Field(
+        False,
+        description="Answer as server-sent events: the first token at once, the KV hand-off "
+        "parameters when written.",
+    )
 
 
 class PrefillResponse(BaseModel):
@@ -133,20 +149,7 @@ def create_app(
         except Exception as e:
             log.exception("prefill of %s failed", body.request_id)
             return error_response(500, f"prefill failed: {type(e).__name__}: {e}", "server_error")
-        kv_params = None
-        if kv_sink is not None and body.hand_off_kv:
-            t0 = time.perf_counter()
-            try:
-                kv_params = await asyncio.to_thread(
-                    kv_sink, body.request_id, body.prompt_token_ids, res.output
-                )
-            except Exception:
-                # The first token is still good; decode will recompute the prompt.
-                log.exception("KV hand-off of %s failed; decode will recompute", body.request_id)
-            log.debug(
-                "KV hand-off of %s took %.1f ms", body.request_id, (time.perf_counter() - t0) * 1e3
-            )
-        return PrefillResponse(
+        answer = PrefillResponse(
             request_id=res.request_id,
             first_token_id=int(res.output.first_token_id),
             num_prompt_tokens=int(res.output.num_prompt_tokens),
@@ -154,8 +157,39 @@ def create_app(
             met_slo=res.met_slo,
             num_preemptions=res.num_preemptions,
             batch_size=res.batch_size,
-            kv_transfer_params=kv_params,
         )
+        write_kv = kv_sink is not None and body.hand_off_kv
+
+        async def hand_off() -> dict[str, Any] | None:
+            assert kv_sink is not None
+            t0 = time.perf_counter()
+            try:
+                # In a thread: the event loop keeps serving while the file is written. A
+                # client gone meanwhile leaves the file to the sweep.
+                params: dict[str, Any] | None = await asyncio.to_thread(
+                    kv_sink, body.request_id, body.prompt_token_ids, res.output
+                )
+            except Exception:
+                # The first token is still good; decode will recompute the prompt.
+                log.exception("KV hand-off of %s failed; decode will recompute", body.request_id)
+                return None
+            log.debug(
+                "KV hand-off of %s took %.1f ms", body.request_id, (time.perf_counter() - t0) * 1e3
+            )
+            return params
+
+        if body.stream:
+
+            async def events() -> AsyncIterator[str]:
+                yield f"data: {answer.model_dump_json()}\n\n"
+                if write_kv:
+                    yield f"data: {json.dumps({'kv_transfer_params': await hand_off()})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        if write_kv:
+            answer.kv_transfer_params = await hand_off()
+        return answer
 
     if kv_store is not None:
         _add_kv_routes(app, kv_store)

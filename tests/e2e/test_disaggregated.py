@@ -366,7 +366,8 @@ def test_dead_decode_instance_fails_in_flight_and_is_routed_around(stack) -> Non
 
             # New requests are served: first while the victim is out of rotation, then after
             # its back-off (2 s after two failures), when one is sent to the dead port first
-            # and retried on the healthy instance (a third failure on the victim's record).
+            # and retried on the healthy instance (a third failure on the victim's record;
+            # a fourth if a round outlasts the next back-off: it depends on the machine).
             assert victim_inst.consecutive_failures == 2
             for round_ in range(2):
                 for k in range(3):
@@ -374,7 +375,7 @@ def test_dead_decode_instance_fails_in_flight_and_is_routed_around(stack) -> Non
                     assert r.choices[0].finish_reason == "length", (round_, k)
                     assert r.usage is not None and r.usage.completion_tokens == 6
                 time.sleep(2.2)
-            assert victim_inst.consecutive_failures == 3
+            assert victim_inst.consecutive_failures in (3, 4)
             metrics = httpx.get(f"{gw}/metrics").text
             assert 'flowprefill_gateway_errors_total{reason="decode_failed"} 2.0' in metrics
     finally:

@@ -61,13 +61,28 @@ def stub(seen: Seen) -> FastAPI:
                     seen.disconnected.set()
                     break
                 await asyncio.sleep(0.05)
-        return {
+        answer = {
             "request_id": body["request_id"],
             "first_token_id": len(body["prompt_token_ids"]),
             "num_prompt_tokens": len(body["prompt_token_ids"]),
             "queue_and_prefill_ms": 1.5,
-            "kv_transfer_params": {"k": body["slo_class"]},
         }
+        kv = {"kv_transfer_params": {"k": body["slo_class"]}}
+        if not body.get("stream"):
+            return {**answer, **kv}
+
+        async def events() -> AsyncIterator[str]:
+            yield f"data: {json.dumps(answer)}\n\n"
+            if fail == "kv-slow":
+                await asyncio.sleep(1.0)
+            if fail == "kv-dies":
+                raise RuntimeError("prefill died after the first token")
+            if fail == "kv-garbage":
+                yield "data: {not json\n\n"
+            yield f"data: {json.dumps(kv)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -160,13 +175,51 @@ async def test_answers_parsed_and_connections_kept_alive(
     seen.client_ports.clear()
     for _ in range(3):
         a = await prefill(http, url)
-        assert (a.first_token_id, a.prefill_ms, a.kv_transfer_params) == (3, 1.5, {"k": "chat"})
+        assert (a.first_token_id, a.prefill_ms, await a.hand_off()) == (3, 1.5, {"k": "chat"})
         deltas = await decode(http, url)
         assert "".join(d.text for d in deltas) == " é0 é1 é2 é3"
         assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
         assert deltas[-1].completion_tokens == 4
     assert len(seen.client_ports) == 6
     assert len(set(seen.client_ports)) == 1, "a new upstream connection per request"
+
+
+async def test_first_token_comes_before_the_kv_hand_off(
+    http: UpstreamHTTP, upstream: tuple[str, Seen]
+) -> None:
+    url, _ = upstream
+    t0 = time.monotonic()
+    a = await prefill(http, url, "kv-slow")  # the hand-off event comes 1 s after the token
+    assert a.first_token_id == 3
+    assert time.monotonic() - t0 < 0.8
+    assert await a.hand_off() == {"k": "chat"}
+    assert time.monotonic() - t0 >= 1.0
+
+
+@pytest.mark.parametrize("fail", ["kv-dies", "kv-garbage"])
+async def test_a_hand_off_that_never_arrives_means_recompute_not_failure(
+    http: UpstreamHTTP, upstream: tuple[str, Seen], fail: str
+) -> None:
+    url, _ = upstream
+    a = await prefill(http, url, fail)
+    assert a.first_token_id == 3
+    assert await a.hand_off() is None
+
+
+async def test_without_a_hand_off_the_answer_is_one_json_body(
+    http: UpstreamHTTP, upstream: tuple[str, Seen]
+) -> None:
+    url, _ = upstream
+    a = await PrefillClient(http).prefill(
+        url,
+        request_id="r2",
+        token_ids=[1, 2],
+        ttft_budget_ms=100.0,
+        slo_class="chat",
+        headers={},
+        hand_off_kv=False,
+    )
+    assert (a.first_token_id, a.kv_pending, await a.hand_off()) == (2, None, {"k": "chat"})
 
 
 async def test_upstream_errors_become_gateway_statuses(

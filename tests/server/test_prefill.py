@@ -6,6 +6,8 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -128,3 +130,65 @@ def test_kv_hand_off_is_written_for_decode(executor, tmp_path) -> None:
     assert handoff.header.num_tokens == 50
     for (k, v), (k2, v2) in zip(handoff.layers, alone.kv_cache, strict=True):
         assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def _events(text: str) -> list[Any]:
+    return [
+        line[5:].strip() if line[5:].strip() == "[DONE]" else json.loads(line[5:])
+        for line in text.splitlines()
+        if line.startswith("data:")
+    ]
+
+
+def test_streamed_answer_sends_the_first_token_before_the_kv_hand_off(
+    executor: PreemptibleExecutor, tmp_path: Path
+) -> None:
+    from flowprefill.kv import HandoffRef, SharedDirTransport
+    from flowprefill.server.kv_sink import directory_sink
+
+    engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
+    sink = directory_sink(tmp_path, executor.model.config)
+    written: list[float] = []
+
+    def slow_sink(*args: Any) -> Any:
+        time.sleep(0.5)  # a large cache written to slow storage
+        params = sink(*args)
+        written.append(time.monotonic())
+        return params
+
+    alone = executor.prefill([body("x", 40)["prompt_token_ids"]])[0]
+    with serve_in_thread(create_app(engine, kv_sink=slow_sink)) as url:
+        arrivals: list[tuple[float, str]] = []
+        with httpx.stream(
+            "POST", f"{url}/v1/prefill", json={**body("cmpl-s", 40), "stream": True}, timeout=30
+        ) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    arrivals.append((time.monotonic(), line))
+        events = _events("\n".join(line for _, line in arrivals))
+    first, kv, done = events
+    assert first["first_token_id"] == int(alone.first_token_id)
+    assert first["kv_transfer_params"] is None
+    assert arrivals[0][0] < written[0] <= arrivals[1][0]  # the token did not wait for the write
+    assert kv == {"kv_transfer_params": HandoffRef("cmpl-s", 40).to_params()}
+    assert done == "[DONE]"
+    with SharedDirTransport(tmp_path).open("cmpl-s") as reader:
+        assert reader.read_all().header.num_tokens == 40
+
+
+def test_a_failed_kv_write_streams_null_so_decode_recomputes(
+    executor: PreemptibleExecutor,
+) -> None:
+    def broken_sink(*args: Any) -> Any:
+        raise OSError("disk full")
+
+    engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
+    with serve_in_thread(create_app(engine, kv_sink=broken_sink)) as url:
+        r = httpx.post(f"{url}/v1/prefill", json={**body("cmpl-f", 8), "stream": True}, timeout=30)
+        plain = httpx.post(f"{url}/v1/prefill", json=body("cmpl-g", 8), timeout=30)
+    first, kv, done = _events(r.text)
+    assert isinstance(first["first_token_id"], int)
+    assert kv == {"kv_transfer_params": None} and done == "[DONE]"
+    assert plain.status_code == 200 and plain.json()["kv_transfer_params"] is None
