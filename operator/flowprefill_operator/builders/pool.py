@@ -28,9 +28,10 @@ from .common import (
 )
 
 ENGINE_CONFIG_PATH = "/etc/flowprefill/engine.json"
-# Read by `flowprefill serve-prefill` (flowprefill.server.kv_sink); spelled out so the
-# operator does not import the server.
+# Read by `flowprefill serve-prefill` (flowprefill.server.kv_sink) and by the connector in
+# vLLM (flowprefill.kv.vllm_idle); spelled out so the operator imports neither.
 ADVERTISE_URL_ENV = "FLOWPREFILL_KV_ADVERTISE_URL"
+IDLE_SPIN_ENV = "FLOWPREFILL_VLLM_IDLE_SPIN_S"
 PROFILE_DIR = "/etc/flowprefill/profile"
 KV_TRANSFER_CONFIG = {
     "kv_connector": "FlowPrefillConnector",
@@ -112,7 +113,10 @@ def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[st
 
 def kv_env(spec: ServingPoolSpec) -> list[dict[str, Any]]:
     """Prefill over http advertises its pod IP, so decode pulls from the pod that has the KV
-    (the Service name would land on any replica)."""
+    (the Service name would land on any replica). Decode on CPU nodes: vLLM's worker would
+    busy-wait a core for 1 s after every step (flowprefill/kv/vllm_idle.py)."""
+    if spec.role == "decode" and spec.resources.gpus_per_pod == 0:
+        return [{"name": IDLE_SPIN_ENV, "value": "0"}]
     if spec.role != "prefill" or not spec.kv_handoff or spec.kv_handoff.transport != "http":
         return []
     return [
