@@ -259,6 +259,18 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         job: Job, answer: PrefillAnswer
     ) -> AsyncIterator[tuple[str, str | None]]:
         """(text, finish_reason) pieces after the first token."""
+        decoded = False
+        try:
+            async for piece in decode(job, answer):
+                yield piece
+            decoded = True
+        finally:
+            # Unless decode ran to its end (and so loaded the hand-off), nobody will: first
+            # token EOS, decode failed, or the client left.
+            if not decoded or answer.first_token_id in state.tokenizer.eos_token_ids:
+                state.prefill_client.release(answer)
+
+    async def decode(job: Job, answer: PrefillAnswer) -> AsyncIterator[tuple[str, str | None]]:
         budget = job.body.output_budget - 1
         if answer.first_token_id in state.tokenizer.eos_token_ids:
             yield "", "stop"

@@ -129,6 +129,10 @@ class UpstreamHTTP(ABC):
         """The ``data:`` payloads of the streamed answer, up to ``[DONE]``."""
 
     @abstractmethod
+    async def delete(self, role: str, url: str) -> int:
+        """DELETE ``url``; the status (a missing resource is the caller's business)."""
+
+    @abstractmethod
     async def aclose(self) -> None:
         """Close the pooled connections."""
 
@@ -175,6 +179,13 @@ class HttpxUpstream(UpstreamHTTP):
                         yield payload
         except httpx.HTTPError as e:
             raise self._translate(role, url, e) from e
+
+    async def delete(self, role: str, url: str) -> int:
+        try:
+            resp = await self.client.delete(url)
+        except httpx.HTTPError as e:
+            raise self._translate(role, url, e) from e
+        return resp.status_code
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -240,6 +251,14 @@ class AiohttpUpstream(UpstreamHTTP):
                 async with aclosing(_sse_data(_lines(resp.content))) as payloads:
                     async for payload in payloads:
                         yield payload
+        except (self._aiohttp.ClientError, TimeoutError) as e:
+            raise self._translate(role, url, e) from e
+
+    async def delete(self, role: str, url: str) -> int:
+        try:
+            async with self.session().delete(url, allow_redirects=False) as resp:
+                await resp.read()
+                return resp.status
         except (self._aiohttp.ClientError, TimeoutError) as e:
             raise self._translate(role, url, e) from e
 
@@ -348,6 +367,28 @@ only weak references to tasks."""
 class PrefillClient:
     def __init__(self, http: UpstreamHTTP) -> None:
         self.http = http
+
+    def release(self, answer: PrefillAnswer) -> None:
+        """Decode will not load this answer's KV hand-off: delete it where prefill serves
+        it (``http`` transport: ``source`` in the parameters) instead of leaving it to
+        prefill's age sweep, so it does not fill the prefill pod's disk. In the background;
+        a failure only leaves the file to the sweep."""
+        task = asyncio.create_task(self._release(answer))
+        _READING.add(task)
+        task.add_done_callback(_READING.discard)
+
+    async def _release(self, answer: PrefillAnswer) -> None:
+        params = await answer.hand_off()
+        body = (params or {}).get("flowprefill")
+        if not isinstance(body, dict):
+            return
+        source, handoff_id = body.get("source"), body.get("handoff_id")
+        if not (isinstance(source, str) and isinstance(handoff_id, str)):
+            return  # shared_dir: prefill's sweep owns the volume
+        try:
+            await self.http.delete("prefill", f"{source.rstrip('/')}/v1/kv/{handoff_id}")
+        except UpstreamError as e:
+            log.debug("release of KV hand-off %s failed (%s); left to the sweep", handoff_id, e)
 
     async def prefill(
         self,

@@ -1,0 +1,144 @@
+"""Hand-offs decode will never load are deleted where prefill serves them (http transport).
+
+A real gateway between stub upstreams: prefill streams its first token and then hand-off
+parameters naming itself as ``source``; decode is a stub vLLM. Left alone such files would
+stay on the prefill pod's disk until the age sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from flowprefill.contracts import Endpoint, GatewayConfig
+from flowprefill.gateway.app import create_gateway_app
+from flowprefill.gateway.cli import build_state
+from flowprefill.models import named_model_dir
+from tests.gateway.test_app import SLO_TABLE
+from tests.helpers import serve_in_thread
+
+
+class Upstreams:
+    def __init__(self) -> None:
+        self.first_token = 5
+        self.source = ""
+        self.decode_status = 200
+        self.prefilled: list[str] = []
+        self.deleted: list[str] = []
+        self.decoded: list[dict[str, Any]] = []
+        self.event = threading.Event()
+
+
+def upstream_app(u: Upstreams) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/prefill")
+    async def prefill(request: Request) -> Any:
+        body = await request.json()
+        assert body["stream"] is True
+        u.prefilled.append(body["request_id"])
+        answer = {
+            "request_id": body["request_id"],
+            "first_token_id": u.first_token,
+            "num_prompt_tokens": len(body["prompt_token_ids"]),
+            "queue_and_prefill_ms": 1.0,
+        }
+        params = {"flowprefill": {"version": 1, "handoff_id": body["request_id"]}}
+        params["flowprefill"]["source"] = u.source
+
+        async def events() -> AsyncIterator[str]:
+            yield f"data: {json.dumps(answer)}\n\n"
+            yield f"data: {json.dumps({'kv_transfer_params': params})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.delete("/v1/kv/{handoff_id}")
+    async def delete(handoff_id: str) -> Any:
+        u.deleted.append(handoff_id)
+        u.event.set()
+        return {"deleted": True}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        if u.decode_status != 200:
+            return JSONResponse({"error": {"message": "no"}}, status_code=u.decode_status)
+        u.decoded.append(body)
+
+        async def events() -> AsyncIterator[str]:
+            chunk = {"choices": [{"index": 0, "text": " x", "finish_reason": "length"}]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Upstreams, Any]]:
+    tmp = tmp_path_factory.mktemp("release")
+    model_dir = named_model_dir("tiny-llama", cache_dir=tmp / "models")
+    (tmp / "slo.json").write_text(json.dumps(SLO_TABLE))
+    u = Upstreams()
+    with serve_in_thread(upstream_app(u)) as url:
+        u.source = url
+        endpoint = Endpoint(pool="p", host="h", port=1, url=url)
+        config = GatewayConfig(
+            service="t",
+            model_name="tiny",
+            tokenizer_path=str(model_dir),
+            prefill=[endpoint],
+            decode=[endpoint.model_copy(update={"pool": "d"})],
+        )
+        state = build_state(config, tmp / "slo.json")
+        with serve_in_thread(create_gateway_app(state)) as gw:
+            yield gw, u, state
+
+
+def _complete(gw: str, **extra: Any) -> httpx.Response:
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, **extra}
+    return httpx.post(f"{gw}/v1/completions", json=body, timeout=30)
+
+
+def _deleted(u: Upstreams, rid: str) -> bool:
+    deadline = time.monotonic() + 5
+    while rid not in u.deleted and time.monotonic() < deadline:
+        u.event.wait(0.1)
+        u.event.clear()
+    return rid in u.deleted
+
+
+def test_first_token_eos_releases_the_hand_off(gateway: tuple[str, Upstreams, Any]) -> None:
+    gw, u, state = gateway
+    u.first_token = min(state.tokenizer.eos_token_ids)
+    r = _complete(gw)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert _deleted(u, r.json()["id"])
+
+
+def test_failed_decode_releases_it_and_a_finished_one_does_not(
+    gateway: tuple[str, Upstreams, Any],
+) -> None:
+    gw, u, _ = gateway
+    u.first_token, u.decode_status = 5, 400
+    r = _complete(gw)
+    assert r.status_code == 400
+    assert _deleted(u, u.prefilled[-1])
+    before = len(u.deleted)
+    u.decode_status = 200
+    r = _complete(gw)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].endswith(" x")
+    # Decode got the hand-off (its connector deletes the source after loading).
+    assert u.decoded[-1]["kv_transfer_params"]["flowprefill"]["handoff_id"] == r.json()["id"]
+    time.sleep(0.5)
+    assert len(u.deleted) == before
