@@ -19,7 +19,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,25 +260,30 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         job: Job, answer: PrefillAnswer
     ) -> AsyncIterator[tuple[str, str | None]]:
         """(text, finish_reason) pieces after the first token."""
-        decoded = False
-        try:
-            async for piece in decode(job, answer):
-                yield piece
-            decoded = True
-        finally:
-            # Unless decode ran to its end (and so loaded the hand-off), nobody will: first
-            # token EOS, decode failed, or the client left.
-            if not decoded or answer.first_token_id in state.tokenizer.eos_token_ids:
-                state.prefill_client.release(answer)
-
-    async def decode(job: Job, answer: PrefillAnswer) -> AsyncIterator[tuple[str, str | None]]:
-        budget = job.body.output_budget - 1
         if answer.first_token_id in state.tokenizer.eos_token_ids:
+            state.prefill_client.release(answer)  # nothing to decode: nobody loads it
             yield "", "stop"
             return
-        if budget <= 0:
+        budget = job.body.output_budget - 1
+        if budget <= 0:  # prefill was asked for no hand-off
             yield "", "length"
             return
+        decoded = False
+        try:
+            # aclosing: a client gone closes the decode stream now, not at garbage collection.
+            async with aclosing(decode(job, answer, budget)) as pieces:
+                async for piece in pieces:
+                    yield piece
+            decoded = True
+        finally:
+            # Decode that ran to its end loaded the hand-off; otherwise (decode failed,
+            # client gone) nobody will.
+            if not decoded:
+                state.prefill_client.release(answer)
+
+    async def decode(
+        job: Job, answer: PrefillAnswer, budget: int
+    ) -> AsyncGenerator[tuple[str, str | None], None]:
         if state.decode_pool is None or state.decode_client is None:
             raise UpstreamError(503, "this gateway has no decode instances", "no_decode")
         # The first token went out before prefill finished writing the KV cache.

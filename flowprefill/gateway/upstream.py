@@ -359,9 +359,9 @@ async def _kv_params(payloads: AsyncGenerator[str, None], request_id: str) -> di
     return params
 
 
-_READING: set[asyncio.Task[Any]] = set()
-"""Hand-off reads nobody may await (first token EOS, client gone): the event loop keeps
-only weak references to tasks."""
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+"""Hand-off reads and releases nobody may await (first token EOS, client gone): the event
+loop keeps only weak references to tasks."""
 
 
 class PrefillClient:
@@ -374,8 +374,8 @@ class PrefillClient:
         prefill's age sweep, so it does not fill the prefill pod's disk. In the background;
         a failure only leaves the file to the sweep."""
         task = asyncio.create_task(self._release(answer))
-        _READING.add(task)
-        task.add_done_callback(_READING.discard)
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
 
     async def _release(self, answer: PrefillAnswer) -> None:
         params = await answer.hand_off()
@@ -431,8 +431,8 @@ class PrefillClient:
             await payloads.aclose()
             raise
         task = asyncio.create_task(_kv_params(payloads, request_id))
-        _READING.add(task)
-        task.add_done_callback(_READING.discard)
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
         return replace(answer, kv_pending=task)
 
 
