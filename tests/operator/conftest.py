@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
 
 from tests.operator.crdcheck import ROOT, load_crds
+
+if TYPE_CHECKING:
+    from tests.operator.cluster import Cluster
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +27,13 @@ def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
 
 def load_docs(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Iterator[Cluster]:
+    """kmock's emulator with the operator running against it (``kopf run``): one per test
+    module; each test works in its own namespace."""
+    from tests.operator.cluster import running_cluster  # it imports load_docs from here
+
+    with running_cluster(tmp_path_factory.mktemp("kmock"), repo_root) as c:
+        yield c

@@ -6,107 +6,19 @@ The operator runs with 1 s timers so that periodic work shows up quickly.
 
 from __future__ import annotations
 
-import copy
 import json
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
-from flowprefill_operator.kube import ApiError, Kube
 
-from tests.operator.conftest import load_docs
-from tests.operator.emulator import EmulatorThread
-from tests.operator.harness import OperatorProcess, kube_for, wait_for
+from tests.operator.cluster import GROUP, Cluster, create, pool, slo
+from tests.operator.harness import wait_for
 from tests.operator.test_operator_attainment import gateway_metrics
-
-FAST = {
-    "FLOWPREFILL_OPERATOR_RECONCILE_INTERVAL_S": "1",
-    "FLOWPREFILL_OPERATOR_ATTAINMENT_INTERVAL_S": "1",
-    "FLOWPREFILL_OPERATOR_SCRAPE_TIMEOUT_S": "1",
-}
-GROUP = "flowprefill.io/v1alpha1"
-
-
-class Cluster:
-    def __init__(self, emulator: EmulatorThread, kube: Kube, operator: OperatorProcess) -> None:
-        self.emulator = emulator
-        self.kube = kube
-        self.operator = operator
-
-    def apply_file(self, path: Path, namespace: str) -> None:
-        for doc in load_docs(path):
-            doc = copy.deepcopy(doc)
-            doc["metadata"]["namespace"] = namespace
-            self.kube.create(doc)
-
-    def names(self, kind: str, namespace: str) -> set[str]:
-        return {o["metadata"]["name"] for o in self.kube.list(kind, namespace)}
-
-    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any]:
-        obj = self.kube.get(kind, namespace, name)
-        assert obj is not None, f"{kind} {namespace}/{name} not found"
-        return obj
-
-    def table(self, namespace: str, service: str) -> dict[str, Any]:
-        cm = self.get("ConfigMap", namespace, f"{service}-slo-table")
-        table: dict[str, Any] = json.loads(cm["data"]["slo-table.json"])
-        return table
-
-    def condition(self, namespace: str, pool: str, type_: str) -> tuple[str, str]:
-        status = self.get("ServingPool", namespace, pool).get("status") or {}
-        for c in status.get("conditions", []):
-            if c["type"] == type_:
-                return c["status"], c["reason"]
-        return ("", "")
-
-    def event_reasons(self, namespace: str, name: str) -> set[str]:
-        return {
-            e.get("reason", "")
-            for e in self.kube.list("Event", namespace)
-            if e.get("involvedObject", {}).get("name") == name
-        }
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("kmock")
-    emulator = EmulatorThread(sorted((repo_root / "crds").glob("*.yaml"))).start()
-    kubeconfig = emulator.write_kubeconfig(tmp / "kubeconfig")
-    operator = OperatorProcess(kubeconfig, tmp / "operator.log", FAST).start()
-    try:
-        yield Cluster(emulator, kube_for(kubeconfig), operator)
-    finally:
-        operator.stop()
-        emulator.stop()
-
-
-def pool(name: str, service: str, role: str = "prefill", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": GROUP,
-        "kind": "ServingPool",
-        "metadata": {"name": name},
-        "spec": {"service": service, "role": role, "model": {"path": "/models/m"}, **spec},
-    }
-
-
-def slo(name: str, ttft_ms: int, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": GROUP,
-        "kind": "SLOClass",
-        "metadata": {"name": name},
-        "spec": {"taskType": "text", "ttftSloMs": ttft_ms, **spec},
-    }
-
-
-def create(c: Cluster, obj: dict[str, Any], namespace: str) -> dict[str, Any]:
-    obj = copy.deepcopy(obj)
-    obj["metadata"]["namespace"] = namespace
-    return c.kube.create(obj)
 
 
 def test_operator_serves_its_probe(cluster: Cluster) -> None:
@@ -233,122 +145,6 @@ def test_sloclass_edits_update_the_slo_table(cluster: Cluster) -> None:
     wait_for(lambda: "DuplicateDefault" in cluster.event_reasons(ns, "other"), what="event")
 
 
-def test_invalid_spec_sets_degraded_and_posts_an_event(cluster: Cluster) -> None:
-    ns = "e2e-invalid"
-    # The emulator admits what the CRD schema would refuse: the operator must still say no.
-    create(cluster, pool("bad", "m", role="router"), ns)
-    wait_for(
-        lambda: cluster.condition(ns, "bad", "Degraded") == ("True", "InvalidSpec"),
-        what="Degraded/InvalidSpec",
-    )
-    assert cluster.get("ServingPool", ns, "bad")["status"]["phase"] == "Invalid"
-    assert (
-        "spec.role"
-        in next(
-            c
-            for c in cluster.get("ServingPool", ns, "bad")["status"]["conditions"]
-            if c["type"] == "Degraded"
-        )["message"]
-    )
-    wait_for(lambda: "InvalidSpec" in cluster.event_reasons(ns, "bad"), what="Warning event")
-    assert cluster.kube.get("Deployment", ns, "bad") is None
-    # Fixing the spec recovers.
-    cluster.kube.patch("ServingPool", ns, "bad", {"spec": {"role": "prefill"}})
-    wait_for(
-        lambda: cluster.condition(ns, "bad", "Degraded") == ("False", "AsExpected"), what="fixed"
-    )
-    assert cluster.kube.get("Deployment", ns, "bad") is not None
-
-
-def test_unsatisfiable_specs_are_reported(cluster: Cluster) -> None:
-    ns = "e2e-unsat"
-    create(
-        cluster,
-        pool("m-prefill", "m", model={"path": "/models/m", "pvc": {"claimName": "gone"}}),
-        ns,
-    )
-    wait_for(
-        lambda: cluster.condition(ns, "m-prefill", "Degraded") == ("True", "ModelVolumeNotFound"),
-        what="ModelVolumeNotFound",
-    )
-    wait_for(lambda: "ModelVolumeNotFound" in cluster.event_reasons(ns, "m-prefill"), what="event")
-    create(
-        cluster,
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "gone"},
-            "spec": {
-                "accessModes": ["ReadOnlyMany"],
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        },
-        ns,
-    )
-    wait_for(lambda: cluster.condition(ns, "m-prefill", "Degraded")[0] == "False", what="PVC found")
-    # A pod the scheduler cannot place (no GPU left): InsufficientCapacity.
-    selector = {
-        "app.kubernetes.io/managed-by": "flowprefill-operator",
-        "flowprefill.io/pool": "m-prefill",
-    }
-    create(
-        cluster,
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "m-prefill-x", "labels": selector},
-            "spec": {"containers": [{"name": "prefill", "image": "i"}]},
-            "status": {
-                "phase": "Pending",
-                "conditions": [
-                    {
-                        "type": "PodScheduled",
-                        "status": "False",
-                        "reason": "Unschedulable",
-                        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
-                    }
-                ],
-            },
-        },
-        ns,
-    )
-    wait_for(
-        lambda: cluster.condition(ns, "m-prefill", "Degraded") == ("True", "InsufficientCapacity"),
-        what="InsufficientCapacity",
-    )
-    wait_for(lambda: "InsufficientCapacity" in cluster.event_reasons(ns, "m-prefill"), what="event")
-
-
-def test_kv_handoff_the_pools_disagree_on_is_reported_on_both(cluster: Cluster) -> None:
-    ns = "e2e-kv"
-    create(cluster, pool("m-prefill", "m", kvHandoff={"transport": "http"}), ns)
-    create(cluster, pool("m-decode", "m", role="decode"), ns)
-
-    def degraded(name: str) -> str:
-        return cluster.condition(ns, name, "Degraded")[0]
-
-    def reason(name: str) -> str:
-        return cluster.condition(ns, name, "Degraded")[1]
-
-    for name in ("m-prefill", "m-decode"):
-        wait_for(lambda: reason(name) == "KVHandoffMismatch", what=f"{name} KVHandoffMismatch")  # noqa: B023
-    message = next(
-        c["message"]
-        for c in cluster.get("ServingPool", ns, "m-decode")["status"]["conditions"]
-        if c["type"] == "Degraded"
-    )
-    assert message == "this pool has no kvHandoff but prefill pool 'm-prefill' has kvHandoff http"
-    wait_for(lambda: "KVHandoffMismatch" in cluster.event_reasons(ns, "m-decode"), what="event")
-    # The children are still applied: the pods can run, only the hand-off would not work.
-    assert cluster.kube.get("Deployment", ns, "m-decode") is not None
-    agree = {"spec": {"kvHandoff": {"transport": "http"}}}
-    cluster.kube.patch("ServingPool", ns, "m-decode", agree)
-    for name in ("m-prefill", "m-decode"):  # the other pool clears on its next timer
-        wait_for(lambda: degraded(name) == "False", what=f"{name} agrees")  # noqa: B023
-    decode = cluster.get("Deployment", ns, "m-decode")["spec"]["template"]["spec"]
-    assert {"name": "kv", "emptyDir": {}} in decode["volumes"]
-
-
 def test_deleting_pools_removes_their_children(cluster: Cluster) -> None:
     ns = "e2e-delete"
     create(cluster, slo("chat", 250, default=True), ns)
@@ -383,14 +179,6 @@ def test_deleting_pools_removes_their_children(cluster: Cluster) -> None:
     assert not cluster.names("Service", ns)
     assert not cluster.names("ConfigMap", ns)
     assert cluster.names("SLOClass", ns) == {"chat"}  # classes are the user's, not children
-
-
-def test_transient_api_errors_are_retried(cluster: Cluster) -> None:
-    ns = "e2e-transient"
-    cluster.emulator.fail_next_writes("deployments", 503, 500, 429)
-    create(cluster, pool("m-prefill", "m"), ns)
-    wait_for(lambda: {"m-prefill", "m-gateway"} <= cluster.names("Deployment", ns), 30, "retried")
-    assert "Injected" in cluster.operator.log()
 
 
 def snapshot(c: Cluster, ns: str) -> dict[tuple[str, str], str]:
@@ -505,9 +293,3 @@ def test_attainment_comes_from_gateway_metrics(cluster: Cluster) -> None:
         assert (cluster.get("SLOClass", ns, "file").get("status") or {}).get("requestCount") == 0
     finally:
         server.shutdown()
-
-
-def test_api_errors_surface_as_kube_errors(cluster: Cluster) -> None:
-    with pytest.raises(ApiError) as err:
-        cluster.kube.patch("ServingPool", "e2e-none", "missing", {"spec": {"replicas": 1}})
-    assert err.value.status == 404 and not err.value.transient
