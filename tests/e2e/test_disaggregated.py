@@ -364,18 +364,30 @@ def test_dead_decode_instance_fails_in_flight_and_is_routed_around(stack) -> Non
             assert all(ch.choices and ch.choices[0].finish_reason is None for ch in got)
             on_healthy.close()
 
-            # New requests are served: first while the victim is out of rotation, then after
-            # its back-off (2 s after two failures), when one is sent to the dead port first
-            # and retried on the healthy instance (a third failure on the victim's record;
-            # a fourth if a round outlasts the next back-off: it depends on the machine).
+            # New requests are served: while the victim is out of rotation (its back-off, 2 s
+            # after two failures) only the healthy instance is asked; once it is back, the
+            # first request routed to it meets the dead port and is retried on the healthy
+            # instance (exactly one more failure on the victim's record, then 4 s out again).
             assert victim_inst.consecutive_failures == 2
-            for round_ in range(2):
-                for k in range(3):
-                    r = c.completions.create(model="demo", prompt=ids[3][k:], max_tokens=6)
-                    assert r.choices[0].finish_reason == "length", (round_, k)
-                    assert r.usage is not None and r.usage.completion_tokens == 6
-                time.sleep(2.2)
-            assert victim_inst.consecutive_failures in (3, 4)
+            backoff_end = victim_inst.retry_after_s
+
+            def served(k: int) -> None:
+                r = c.completions.create(model="demo", prompt=ids[3][k % 3 :], max_tokens=6)
+                assert r.choices[0].finish_reason == "length", k
+                assert r.usage is not None and r.usage.completion_tokens == 6
+
+            k = 0
+            while state.clock() < backoff_end:
+                served(k)
+                k += 1
+                if state.clock() < backoff_end:
+                    assert victim_inst.consecutive_failures == 2
+            for _ in range(8):  # rotation decides when the victim's turn comes
+                served(k)
+                k += 1
+                if victim_inst.consecutive_failures > 2:
+                    break
+            assert victim_inst.consecutive_failures == 3
             metrics = httpx.get(f"{gw}/metrics").text
             assert 'flowprefill_gateway_errors_total{reason="decode_failed"} 2.0' in metrics
     finally:
