@@ -6,7 +6,7 @@ Start a stack first (``flowprefill up --port 8000``: prefill on 8100, vLLM decod
     python benchmarks/prefill_beside_decode.py [--prefill-url http://127.0.0.1:8100]
         [--decode-url http://127.0.0.1:8150] [--tokens 800] [--repeats 6] [--stop-worker]
 
-Two measurements, straight against the prefill instance's ``/v1/prefill``:
+Three measurements, the first two straight against the prefill instance's ``/v1/prefill``:
 
 1. the KV hand-off write: wall time of a prefill answered with the hand-off written
    (non-streamed answer: the token waits for the file) vs one asking for no hand-off,
@@ -14,7 +14,9 @@ Two measurements, straight against the prefill instance's ``/v1/prefill``:
 2. the engine's own prefill time (``queue_and_prefill_ms``) of a ``--tokens`` prompt one
    second after nothing, 0.3 s after a one-token vLLM request, and (``--stop-worker``) the
    same with vLLM's worker process paused (SIGSTOP) meanwhile — so any difference is
-   what that process does between steps.
+   what that process does between steps;
+3. vLLM's own decode speed (ms per output token of a 32-token completion), so that a cap
+   on vLLM's busy-wait is seen to cost decode nothing.
 
 Run it once with ``flowprefill up`` as is (vLLM's idle busy-wait capped) and once with
 ``FLOWPREFILL_VLLM_IDLE_SPIN_S= flowprefill up`` (empty: vLLM's default 1 s busy-wait).
@@ -57,6 +59,14 @@ def vllm_request(client: httpx.Client, url: str, model: str) -> None:
     ids = [random.randrange(1, 30000) for _ in range(100)]
     body = {"model": model, "prompt": ids, "max_tokens": 1}
     client.post(f"{url}/v1/completions", json=body).raise_for_status()
+
+
+def decode_ms_per_token(client: httpx.Client, url: str, model: str, tokens: int = 32) -> float:
+    ids = [random.randrange(1, 30000) for _ in range(20)]
+    body = {"model": model, "prompt": ids, "max_tokens": tokens, "ignore_eos": True}
+    t0 = time.perf_counter()
+    client.post(f"{url}/v1/completions", json=body).raise_for_status()
+    return (time.perf_counter() - t0) * 1e3 / tokens
 
 
 def vllm_workers() -> list[int]:
@@ -135,6 +145,14 @@ def main() -> None:
             when, f"{med(v):.0f}", f"{min(v):.0f}", f"{max(v):.0f}", f"{med(v) / idle:.2f}x"
         )
     console.print(table)
+    with httpx.Client(timeout=600) as client, console.status("timing vLLM decode"):
+        per_token = [
+            decode_ms_per_token(client, args.decode_url, model) for _ in range(args.repeats)
+        ]
+    console.print(
+        f"vLLM decode, 32-token completions: {med(per_token):.1f} ms per token "
+        f"(median of {args.repeats}; max {max(per_token):.1f})"
+    )
 
 
 if __name__ == "__main__":

@@ -202,13 +202,13 @@ def decode_command(
 
 
 def decode_env(run_dir: Path) -> dict[str, str]:
-    from flowprefill.kv.vllm_idle import IDLE_SPIN_ENV
+    from flowprefill.kv.vllm_idle import CPU_IDLE_SPIN_S, IDLE_SPIN_ENV
 
     return {
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         # vLLM's worker busy-waits 1 s after each step, taking a core from the prefill
         # instance on this host (flowprefill/kv/vllm_idle.py).
-        IDLE_SPIN_ENV: os.environ.get(IDLE_SPIN_ENV, "0"),
+        IDLE_SPIN_ENV: os.environ.get(IDLE_SPIN_ENV, CPU_IDLE_SPIN_S),
         "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

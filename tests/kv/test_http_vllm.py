@@ -194,6 +194,21 @@ def test_truncated_body_fails_in_the_worker_and_is_recomputed(stack: dict[str, A
     assert list(stack["cache_dir"].glob("*cut*")) == []
 
 
+def test_decode_beside_the_capped_busy_wait_keeps_vllms_pace(stack: dict[str, Any]) -> None:
+    """The decode server runs with vLLM's idle busy-wait capped (decode_env). A cap that
+    let vLLM drop its step notifications made every token wait vLLM's 5 s recheck (32
+    tokens: minutes); at vLLM's pace 32 tokens of this tiny model take well under a second
+    here. The bound is loose on purpose: it catches stalls, not noise."""
+    assert decode_env(Path("/unused"))["FLOWPREFILL_VLLM_IDLE_SPIN_S"] != ""
+    times = []
+    for k in range(3):
+        t0 = time.monotonic()
+        out = complete(stack, prompt(20, 29 + k), 32)
+        times.append(time.monotonic() - t0)
+        assert len(out["choices"][0]["token_ids"]) == 32
+    assert sorted(times)[1] < 4.0, times
+
+
 def test_stalled_source_costs_the_timeout_not_a_hang(stack: dict[str, Any]) -> None:
     """A prefill pod that accepts but never answers: the scheduler's header fetch gives up
     after header_timeout_s (1 s default) and the prompt is recomputed."""

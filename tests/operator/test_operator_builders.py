@@ -349,10 +349,10 @@ def test_judging_duplicate_defaults_missing_secrets_and_invalid_specs() -> None:
 
 
 def test_cpu_decode_pods_cap_vllms_idle_busy_wait() -> None:
-    from flowprefill.kv.vllm_idle import IDLE_SPIN_ENV
+    from flowprefill.kv.vllm_idle import CPU_IDLE_SPIN_S, IDLE_SPIN_ENV
 
     cpu = DECODE.model_validate({**DECODE.wire(), "resources": {"gpusPerPod": 0}})
     env = {e["name"]: e.get("value") for e in _pod(cpu)["containers"][0]["env"]}
-    assert env[IDLE_SPIN_ENV] == "0"
+    assert env[IDLE_SPIN_ENV] == CPU_IDLE_SPIN_S
     for spec in (DECODE, PREFILL):  # GPU decode keeps vLLM's default; prefill has no vLLM
         assert IDLE_SPIN_ENV not in {e["name"] for e in _pod(spec)["containers"][0]["env"]}

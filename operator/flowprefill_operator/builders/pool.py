@@ -32,6 +32,7 @@ ENGINE_CONFIG_PATH = "/etc/flowprefill/engine.json"
 # vLLM (flowprefill.kv.vllm_idle); spelled out so the operator imports neither.
 ADVERTISE_URL_ENV = "FLOWPREFILL_KV_ADVERTISE_URL"
 IDLE_SPIN_ENV = "FLOWPREFILL_VLLM_IDLE_SPIN_S"
+CPU_IDLE_SPIN_S = "0.005"  # vllm_idle.CPU_IDLE_SPIN_S; 0 would cost decode ~1.7x per token
 PROFILE_DIR = "/etc/flowprefill/profile"
 KV_TRANSFER_CONFIG = {
     "kv_connector": "FlowPrefillConnector",
@@ -114,9 +115,9 @@ def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[st
 def kv_env(spec: ServingPoolSpec) -> list[dict[str, Any]]:
     """Prefill over http advertises its pod IP, so decode pulls from the pod that has the KV
     (the Service name would land on any replica). Decode on CPU nodes: vLLM's worker would
-    busy-wait a core for 1 s after every step (flowprefill/kv/vllm_idle.py)."""
+    busy-wait a core for 1 s after every step; capped to 5 ms (flowprefill/kv/vllm_idle.py)."""
     if spec.role == "decode" and spec.resources.gpus_per_pod == 0:
-        return [{"name": IDLE_SPIN_ENV, "value": "0"}]
+        return [{"name": IDLE_SPIN_ENV, "value": CPU_IDLE_SPIN_S}]
     if spec.role != "prefill" or not spec.kv_handoff or spec.kv_handoff.transport != "http":
         return []
     return [
