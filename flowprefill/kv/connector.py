@@ -27,10 +27,16 @@ one in each worker):
   least one token of a new request to sample from; send ``prompt + [first_token]`` and that
   token is the one our prefill sampled, so no prompt token is recomputed. Loads are
   synchronous (``False``): the copy is a memcpy-speed local read, cheaper than the async
-  state machine's extra scheduler round trip. With the ``http`` transport the header is
-  one HTTP range request made here, in the scheduler (it blocks scheduling for that round
-  trip, at most ``header_timeout_s``); the body is downloaded by the worker in
-  ``start_load_kv`` (blocking that step's forward pass for the download).
+  state machine's extra scheduler round trip. The body is downloaded by the worker in
+  ``start_load_kv`` (``http`` transport; blocking that step's forward pass for the
+  download).
+* **The header never stalls the scheduler.** Reading it (a file on a shared volume, or an
+  HTTP range request to the prefill pod) runs on a small thread pool. The scheduler waits
+  ``HEADER_INLINE_WAIT_S`` for it, which covers a local read or a same-zone round trip;
+  a slower answer makes this method return ``None`` ("not known yet", vLLM's contract), so
+  vLLM schedules everything else and asks again on its next step. A source that never
+  answers costs that one request ``header_timeout_s`` (``http``), then a recompute; an
+  NFS-backed shared directory that hangs costs that request, not the whole engine.
 * **Unusable KV never fails a request.** A missing, corrupted or mismatching hand-off is
   logged, reported in the response's ``kv_transfer_params`` (``status: "recomputed"``) and
   the prompt is recomputed. A failure *during* the worker copy (after the scheduler counted
@@ -61,6 +67,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +104,11 @@ logger = logging.getLogger("vllm.flowprefill.kv.connector")
 # among them): the place to apply $FLOWPREFILL_VLLM_IDLE_SPIN_S (see vllm_idle.py).
 cap_idle_spin()
 
+HEADER_INLINE_WAIT_S = 0.005
+"""How long ``get_num_new_matched_tokens`` waits for a hand-off header before answering
+"not known yet" (vLLM then asks again on its next step)."""
+HEADER_THREADS = 4
+
 
 @dataclass
 class LoadSpec:
@@ -127,6 +140,7 @@ class _Tracked:
     ref: HandoffRef
     header: KVHeader | None = None
     reason: str | None = None  # why the KV is unusable; None while usable
+    pending: Future[KVHeader] | None = None  # header read still running
     start: int = 0
     end: int = 0
     loaded: int = 0
@@ -158,6 +172,7 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         dtype = model_config.dtype
         self._model_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
         self._tracked: dict[str, _Tracked] = {}  # scheduler side
+        self._header_pool: ThreadPoolExecutor | None = None  # scheduler side, made on use
         self._to_load: dict[str, _Tracked] = {}  # scheduler side, allocated, not yet sent
         self._failed_blocks: set[int] = set()  # worker side
         logger.info(
@@ -175,7 +190,13 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         tracked = self._track(request)
-        if tracked is None or tracked.header is None:
+        if tracked is None:
+            return 0, False
+        if tracked.pending is not None:
+            if not tracked.pending.done():
+                return None, False  # not known yet: vLLM skips the request this step
+            self._settle(request, tracked)
+        if tracked.header is None:
             return 0, False
         n = num_tokens_to_load(tracked.header.num_tokens, request.num_tokens, num_computed_tokens)
         # The scheduler calls this then update_state_after_alloc in the same pass; the
@@ -184,7 +205,7 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         return n, False
 
     def _track(self, request: Request) -> _Tracked | None:
-        """Validate the request's hand-off once (header only) and cache the verdict."""
+        """Start the header check of the request's hand-off once; None if it has none."""
         req_id = request.request_id
         if req_id in self._tracked:
             return self._tracked[req_id]
@@ -197,29 +218,48 @@ class FlowPrefillConnector(KVConnectorBase_V1):
             return None
         tracked = _Tracked(ref=ref)
         self._tracked[req_id] = tracked
+        if self._header_pool is None:
+            self._header_pool = ThreadPoolExecutor(HEADER_THREADS, thread_name_prefix="kv-header")
+        prompt = list(request.prompt_token_ids or [])
+        tracked.pending = self._header_pool.submit(self._checked_header, req_id, ref, prompt)
+        wait_futures([tracked.pending], timeout=HEADER_INLINE_WAIT_S)
+        return tracked
+
+    def _checked_header(self, req_id: str, ref: HandoffRef, prompt: list[int]) -> KVHeader:
+        """Read and validate a hand-off header (header pool thread; no connector state)."""
+        t0 = time.perf_counter()
+        header = self._transport.header(ref)
+        logger.debug(
+            "request %s: header of hand-off %s in %.2f ms",
+            req_id,
+            ref.handoff_id,
+            (time.perf_counter() - t0) * 1e3,
+        )
+        header.fingerprint.check_matches(self._expected)
+        if ref.num_tokens is not None and ref.num_tokens != header.num_tokens:
+            raise KVMismatchError("num_tokens", ref.num_tokens, header.num_tokens)
+        check_prompt(header, prompt)
+        return header
+
+    def _settle(self, request: Request, tracked: _Tracked) -> None:
+        """Fold a finished header check into the request's state (scheduler thread)."""
+        assert tracked.pending is not None
+        future, tracked.pending = tracked.pending, None
         try:
-            t0 = time.perf_counter()
-            header = self._transport.header(ref)
-            logger.debug(
-                "request %s: header of hand-off %s in %.2f ms",
-                req_id,
-                ref.handoff_id,
-                (time.perf_counter() - t0) * 1e3,
-            )
-            header.fingerprint.check_matches(self._expected)
-            if ref.num_tokens is not None and ref.num_tokens != header.num_tokens:
-                raise KVMismatchError("num_tokens", ref.num_tokens, header.num_tokens)
-            check_prompt(header, list(request.prompt_token_ids or []))
-            tracked.header = header
+            tracked.header = future.result()
         except (KVHandoffError, OSError) as exc:  # OSError: unreadable mount, permissions
             tracked.reason = f"{type(exc).__name__}: {exc}"
             logger.warning(
                 "request %s: hand-off %s unusable, recomputing the prompt: %s",
-                req_id,
-                ref.handoff_id,
+                request.request_id,
+                tracked.ref.handoff_id,
                 exc,
             )
-        return tracked
+        except Exception as exc:  # a bug here must cost a recompute, not the engine
+            tracked.reason = f"{type(exc).__name__}: {exc}"
+            logger.exception(
+                "request %s: checking hand-off %s failed", request.request_id, tracked.ref
+            )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -270,6 +310,10 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
+        if tracked.pending is not None:  # aborted (or finished) before its header arrived
+            tracked.pending.cancel()
+            tracked.pending = None
+            tracked.reason = tracked.reason or "request finished before its hand-off was read"
         try:
             if self._delete_after_load:
                 self._transport.delete(tracked.ref)
@@ -278,6 +322,12 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         except OSError as exc:  # clean-up must never fail a finished request
             logger.warning("request %s: clean-up of hand-off failed: %s", request.request_id, exc)
         return False, result_params(tracked.ref, tracked.loaded, tracked.reason)
+
+    def shutdown(self) -> None:
+        # Header reads in flight are bounded by the transport's timeouts; don't wait for them.
+        if self._header_pool is not None:
+            self._header_pool.shutdown(wait=False, cancel_futures=True)
+        super().shutdown()
 
     # ------------------------------------------------------------------- worker side
 

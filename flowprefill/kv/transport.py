@@ -189,8 +189,8 @@ class HTTPPullTransport:
       local copy only.
 
     Every failure — HTTP error status, refused connection, a server that stalls longer than
-    ``timeout_s`` between bytes (``header_timeout_s`` in total for the header, which runs
-    in vLLM's scheduler and blocks it that long), a download over ``max_download_s`` in
+    ``timeout_s`` between bytes (``header_timeout_s`` in total for the header, which the
+    connector reads off vLLM's scheduler thread), a download over ``max_download_s`` in
     total, a body larger
     than ``max_bytes`` or shorter than announced — is a :class:`KVHandoffError`
     (:class:`KVNotFoundError` for 404) naming the URL; the connector then recomputes.

@@ -7,6 +7,9 @@ end-to-end behaviour is covered by test_vllm_decode.py.
 from __future__ import annotations
 
 import importlib.util
+import socket
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -61,6 +64,18 @@ def make_connector(store: Path, **extra: Any) -> Any:
     return FlowPrefillConnector(config, KVConnectorRole.SCHEDULER, no_cache_config)
 
 
+def matched(conn: Any, req: Any, num_computed: int = 0, timeout_s: float = 30) -> tuple[int, bool]:
+    """Ask like vLLM's scheduler does: again on each step while the answer is "not known
+    yet" (None: the header is still being read)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n, load_async = conn.get_num_new_matched_tokens(req, num_computed)
+        if n is not None:
+            return n, load_async
+        assert time.monotonic() < deadline, "hand-off header never settled"
+        time.sleep(0.002)
+
+
 def request(req_id: str, ids: list[int], params: dict[str, Any] | None) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=req_id, prompt_token_ids=ids, num_tokens=len(ids), kv_transfer_params=params
@@ -91,7 +106,7 @@ def test_plain_requests_are_untouched(store: Path) -> None:
 def test_full_prompt_plus_first_token_is_loaded(store: Path) -> None:
     conn = make_connector(store)
     req = request("a", [*PROMPT, 7], HandoffRef("h1", len(PROMPT)).to_params())
-    assert conn.get_num_new_matched_tokens(req, 0) == (200, False)
+    assert matched(conn, req) == (200, False)
     conn.update_state_after_alloc(req, None, 200)
     meta = conn.build_connector_meta(scheduler_output("a", [4, 9]))
     (spec,) = meta.loads
@@ -110,7 +125,7 @@ def test_full_prompt_plus_first_token_is_loaded(store: Path) -> None:
 def test_prefix_cache_hit_loads_the_rest(store: Path) -> None:
     conn = make_connector(store)
     req = request("a", PROMPT, HandoffRef("h1").to_params())
-    assert conn.get_num_new_matched_tokens(req, 128) == (199 - 128, False)
+    assert matched(conn, req, 128) == (199 - 128, False)
     conn.update_state_after_alloc(req, None, 71)
     (spec,) = conn.build_connector_meta(scheduler_output("a", [1, 2])).loads
     assert (spec.start, spec.end) == (128, 199)
@@ -135,7 +150,7 @@ def test_unusable_handoff_means_recompute(
     conn = make_connector(store)
     conn._expected = ModelFingerprint.from_config(hf_config(**config_change))
     req = request("a", ids, params)
-    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched(conn, req) == (0, False)
     conn.update_state_after_alloc(req, None, 0)
     assert conn.build_connector_meta(scheduler_output("a", [1, 2])).loads == []
     _, out = conn.request_finished(req, [])
@@ -145,20 +160,18 @@ def test_unusable_handoff_means_recompute(
 def test_malformed_params_are_ignored(store: Path) -> None:
     conn = make_connector(store)
     req = request("a", PROMPT, {"flowprefill": {"handoff_id": "../../etc/passwd"}})
-    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched(conn, req) == (0, False)
 
 
 def test_delete_after_load(store: Path) -> None:
     conn = make_connector(store, delete_after_load=True)
     req = request("a", [*PROMPT, 7], HandoffRef("h1").to_params())
-    conn.get_num_new_matched_tokens(req, 0)
+    matched(conn, req)
     conn.request_finished(req, [])
     assert not (store / "h1.kv.safetensors").exists()
 
 
 def test_http_transport_unreachable_source_means_recompute(store: Path) -> None:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there once closed
@@ -166,7 +179,70 @@ def test_http_transport_unreachable_source_means_recompute(store: Path) -> None:
     assert conn._delete_after_load  # http: the consumer deletes at the source by default
     ref = HandoffRef("h1", len(PROMPT), source=f"http://127.0.0.1:{port}")
     req = request("a", [*PROMPT, 7], ref.to_params())
-    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched(conn, req) == (0, False)
     _, out = conn.request_finished(req, [])
     assert out["flowprefill"]["status"] == "recomputed"
     assert "ConnectError" in out["flowprefill"]["reason"]
+
+
+def test_a_stalled_source_does_not_hold_the_scheduler(store: Path) -> None:
+    """A prefill pod that accepts the connection and never answers: the scheduler gets
+    "not known yet" at once, every step, until the header timeout turns it into a
+    recompute."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                held.append(listener.accept()[0])
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    conn = make_connector(
+        store, transport="http", cache_dir=str(store / "cache"), header_timeout_s=0.5
+    )
+    ref = HandoffRef("h1", len(PROMPT), source=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    req = request("a", [*PROMPT, 7], ref.to_params())
+    try:
+        t0 = time.monotonic()
+        answers = []
+        while (answer := conn.get_num_new_matched_tokens(req, 0)) == (None, False):
+            answers.append(time.monotonic())
+            time.sleep(0.01)
+        elapsed = time.monotonic() - t0
+    finally:
+        listener.close()
+        for c in held:
+            c.close()
+    assert answer == (0, False)
+    assert answers and answers[0] - t0 < 0.1  # the first step was not held
+    assert 0.45 < elapsed < 5, elapsed
+    _, out = conn.request_finished(req, [])
+    assert out["flowprefill"]["status"] == "recomputed"
+    assert "no response within 0.5 s" in out["flowprefill"]["reason"]
+    conn.shutdown()
+
+
+def test_a_request_gone_before_its_header_reports_recomputed(store: Path) -> None:
+    """An abort while the header is still being read: nothing was loaded, and the result
+    says so instead of claiming a load of 0 tokens."""
+    release = threading.Event()
+    conn = make_connector(store)
+    real_header = conn._transport.header
+
+    def slow_header(ref: Any) -> Any:
+        release.wait(10)
+        return real_header(ref)
+
+    conn._transport.header = slow_header
+    req = request("a", [*PROMPT, 7], HandoffRef("h1").to_params())
+    assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
+    _, out = conn.request_finished(req, [])
+    release.set()
+    assert out["flowprefill"]["status"] == "recomputed"
+    assert "before its hand-off was read" in out["flowprefill"]["reason"]
+    conn.shutdown()

@@ -210,8 +210,9 @@ def test_decode_beside_the_capped_busy_wait_keeps_vllms_pace(stack: dict[str, An
 
 
 def test_stalled_source_costs_the_timeout_not_a_hang(stack: dict[str, Any]) -> None:
-    """A prefill pod that accepts but never answers: the scheduler's header fetch gives up
-    after header_timeout_s (1 s default) and the prompt is recomputed."""
+    """A prefill pod that accepts but never answers: the header check gives up after
+    header_timeout_s (1 s default) and the prompt is recomputed — and meanwhile vLLM goes on
+    serving other requests (the check runs off the scheduler thread)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(4)
@@ -225,21 +226,36 @@ def test_stalled_source_costs_the_timeout_not_a_hang(stack: dict[str, Any]) -> N
             pass
 
     threading.Thread(target=accept, daemon=True).start()
+    done: dict[str, float] = {}
+    stalled_out: dict[str, Any] = {}
     try:
         ids = prompt(30, 17)
         first, params = do_prefill(stack, "stalled", ids)
         params["flowprefill"]["source"] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+        def stalled() -> None:
+            stalled_out.update(complete(stack, [*ids, first], MAX_TOKENS - 1, params))
+            done["stalled"] = time.monotonic()
+
         t0 = time.monotonic()
-        disagg = complete(stack, [*ids, first], MAX_TOKENS - 1, params)
-        elapsed = time.monotonic() - t0
+        worker = threading.Thread(target=stalled)
+        worker.start()
+        time.sleep(0.1)  # the stalled request is in vLLM's scheduler by now
+        other = complete(stack, prompt(12, 41), MAX_TOKENS)
+        done["other"] = time.monotonic()
+        worker.join(60)
+        assert not worker.is_alive()
     finally:
         sock.close()
         for conn in held:
             conn.close()
-    result = disagg["kv_transfer_params"]["flowprefill"]
+    result = stalled_out["kv_transfer_params"]["flowprefill"]
     assert result["status"] == "recomputed" and "no response within 1 s" in result["reason"]
-    assert 0.9 < elapsed < 30, elapsed
+    assert 0.9 < done["stalled"] - t0 < 30, done["stalled"] - t0
+    # The other request did not wait for the stalled one's header timeout.
+    assert len(other["choices"][0]["token_ids"]) == MAX_TOKENS
+    assert done["other"] < done["stalled"], (done["other"] - t0, done["stalled"] - t0)
     alone = complete(stack, ids, MAX_TOKENS)
-    assert [first, *disagg["choices"][0]["token_ids"]] == alone["choices"][0]["token_ids"]
+    assert [first, *stalled_out["choices"][0]["token_ids"]] == alone["choices"][0]["token_ids"]
     # The engine is fine afterwards.
     assert httpx.get(f"{stack['decode']}/health", timeout=5).status_code == 200
