@@ -76,7 +76,7 @@ def local_stack(
             tokenizer_path=str(model_dir),
             decode=[],
             prefill=[Endpoint(pool="p", host="h", port=1, url=u) for u in urls],
-            prefill_routing=routing,  # type: ignore[arg-type]
+            prefill_routing=routing,
         )
         state = build_state(config, slo_table)
         state.table_refresh_s = table_refresh_s

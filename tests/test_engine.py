@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import pytest
 
@@ -16,6 +17,7 @@ from flowprefill.engine import PrefillEngine
 from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
 from flowprefill.executor.preemption import TaskControl, checkpoint
 from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.scheduler.core import SchedulerOutput
 
 OP_S = 0.002  # one "operator"
 TOKENS_PER_OP = 50
@@ -117,7 +119,7 @@ def test_cancel_waiting_and_running_requests() -> None:
 
 def test_backend_error_fails_only_its_requests() -> None:
     class Flaky(SteppedBackend):
-        def run(self, prompts, control):
+        def run(self, prompts: Sequence[Sequence[int]], control: TaskControl) -> list[int]:
             if prompts[0][0] == 13:
                 raise RuntimeError("device fell over")
             return super().run(prompts, control)
@@ -172,12 +174,14 @@ def test_metrics_are_exported() -> None:
     assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="chat"} 1.0' in text
 
 
-def test_a_scheduler_crash_fails_waiting_callers_instead_of_hanging(monkeypatch) -> None:
+def test_a_scheduler_crash_fails_waiting_callers_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     eng = PrefillEngine(SteppedBackend(), PREDICTOR, batching="none").start()
     long_f = eng.submit(prompt(1, 10_000), ttft_slo_s=30.0)
     time.sleep(0.02)
 
-    def broken(now_s: float):
+    def broken(now_s: float) -> NoReturn:
         raise RuntimeError("bug in a round")
 
     monkeypatch.setattr(eng.scheduler, "schedule", broken)
@@ -196,7 +200,7 @@ def test_rounds_see_the_running_tasks_progress() -> None:
     with PrefillEngine(SteppedBackend(), PREDICTOR, batching="none") as eng:
         original = eng.scheduler.schedule
 
-        def spy(now_s: float):
+        def spy(now_s: float) -> SchedulerOutput:
             if eng.scheduler.running is not None:
                 seen.append(eng.scheduler.running.progress)
             return original(now_s)

@@ -14,7 +14,9 @@ from flowprefill.predictor.model import TTFTPredictor
 
 
 @pytest.mark.parametrize("granularity", ["operator", "layer"])
-def test_preempted_long_prefill_is_bit_identical_and_urgent_one_jumps_ahead(granularity) -> None:
+def test_preempted_long_prefill_is_bit_identical_and_urgent_one_jumps_ahead(
+    granularity: str,
+) -> None:
     model = build_named("tiny-llama", seed=1)
     gen = torch.Generator().manual_seed(0)
     long_prompt = torch.randint(0, 2000, (6000,), generator=gen).tolist()

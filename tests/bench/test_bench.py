@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -16,7 +17,7 @@ from flowprefill.cli import main
 from flowprefill.models import named_model_dir
 from tests.helpers import local_stack, serve_in_thread
 
-TABLE = {
+TABLE: dict[str, Any] = {
     "version": 1,
     "default_class": "text",
     "classes": [

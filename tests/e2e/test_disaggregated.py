@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from flowprefill.contracts import Endpoint, GatewayConfig
 from flowprefill.engine import PrefillEngine
@@ -67,7 +68,7 @@ TABLE = {
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("e2e")
     model_dir = named_model_dir("demo-llama", cache_dir=tmp / "models")
     kv_dir = tmp / "kv"
@@ -133,7 +134,7 @@ def wait_vllm(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: flo
         time.sleep(1)
 
 
-def vllm_alone(stack: dict, prompt_ids: list[int], max_tokens: int) -> str:
+def vllm_alone(stack: dict[str, Any], prompt_ids: list[int], max_tokens: int) -> str:
     """The reference: vLLM generating by itself (no hand-off), greedy."""
     r = httpx.post(
         f"{stack['decode']}/v1/completions",
@@ -149,17 +150,17 @@ def vllm_alone(stack: dict, prompt_ids: list[int], max_tokens: int) -> str:
     return str(r.json()["choices"][0]["text"])
 
 
-def client(stack: dict) -> openai.OpenAI:
+def client(stack: dict[str, Any]) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack['gw']}/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def test_openai_client_gets_the_same_tokens_as_vllm_alone(stack) -> None:
+def test_openai_client_gets_the_same_tokens_as_vllm_alone(stack: dict[str, Any]) -> None:
     ids = [(37 * i) % 30000 + 5 for i in range(300)]
     expected = vllm_alone(stack, ids, 12)
     c = client(stack)
     resp = c.completions.create(model="demo", prompt=ids, max_tokens=12, temperature=0)
     assert resp.choices[0].text == expected
-    assert resp.usage.completion_tokens == 12
+    assert resp.usage is not None and resp.usage.completion_tokens == 12
     streamed = "".join(
         ch.choices[0].text
         for ch in c.completions.create(
@@ -170,9 +171,11 @@ def test_openai_client_gets_the_same_tokens_as_vllm_alone(stack) -> None:
     assert streamed == expected
 
 
-def test_streaming_chat_matches_non_streaming(stack) -> None:
+def test_streaming_chat_matches_non_streaming(stack: dict[str, Any]) -> None:
     c = client(stack)
-    msgs = [{"role": "user", "content": "Tell me about prefill scheduling."}]
+    msgs: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me about prefill scheduling."}
+    ]
     full = c.chat.completions.create(model="demo", messages=msgs, max_tokens=10, temperature=0)
     parts = [
         ch.choices[0].delta.content or ""
@@ -184,7 +187,9 @@ def test_streaming_chat_matches_non_streaming(stack) -> None:
     assert "".join(parts) == full.choices[0].message.content
 
 
-def test_long_prefill_is_preempted_and_urgent_requests_keep_their_slo(stack) -> None:
+def test_long_prefill_is_preempted_and_urgent_requests_keep_their_slo(
+    stack: dict[str, Any],
+) -> None:
     long_ids = [(11 * i) % 30000 + 5 for i in range(6000)]
     shorts = [[(13 * i + k) % 30000 + 5 for i in range(64)] for k in range(3)]
     expected_long = vllm_alone(stack, long_ids, 4)
@@ -228,7 +233,7 @@ def test_long_prefill_is_preempted_and_urgent_requests_keep_their_slo(stack) -> 
     assert long_text == expected_long
 
 
-def _vllm_running(stack: dict) -> float:
+def _vllm_running(stack: dict[str, Any]) -> float:
     text = httpx.get(f"{stack['decode']}/metrics", timeout=10).text
     total = 0.0
     for line in text.splitlines():
@@ -237,7 +242,7 @@ def _vllm_running(stack: dict) -> float:
     return total
 
 
-def test_client_disconnect_cancels_prefill_and_decode(stack) -> None:
+def test_client_disconnect_cancels_prefill_and_decode(stack: dict[str, Any]) -> None:
     engine: PrefillEngine = stack["engine"]
     cancelled = 'flowprefill_prefill_requests_total{outcome="cancelled"'
     # 1. Gone while its prefill waits/runs: the prefill instance drops the request.
@@ -281,7 +286,7 @@ def test_client_disconnect_cancels_prefill_and_decode(stack) -> None:
         time.sleep(0.2)
 
 
-def test_dead_decode_instance_fails_in_flight_and_is_routed_around(stack) -> None:
+def test_dead_decode_instance_fails_in_flight_and_is_routed_around(stack: dict[str, Any]) -> None:
     """A second vLLM decode instance (the victim) is SIGKILLed, with its whole process
     group as when a pod dies, while it decodes a streaming and a non-streaming request."""
     tmp: Path = stack["tmp"]

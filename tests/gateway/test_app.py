@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -46,7 +47,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     table = tmp_path_factory.mktemp("gateway") / "slo-table.json"
     table.write_text(json.dumps(SLO_TABLE))
     with local_stack(model_dir, table) as s:
@@ -54,11 +55,13 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture
-def client(stack: dict) -> openai.OpenAI:
+def client(stack: dict[str, Any]) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack['url']}/v1", api_key="none", max_retries=0)
 
 
-def test_completion_returns_the_prefill_first_token(stack, client) -> None:
+def test_completion_returns_the_prefill_first_token(
+    stack: dict[str, Any], client: openai.OpenAI
+) -> None:
     raw = client.completions.with_raw_response.create(
         model="tiny", prompt="hello world, how are you", max_tokens=1
     )
@@ -72,10 +75,10 @@ def test_completion_returns_the_prefill_first_token(stack, client) -> None:
         logits = stack["model"](torch.tensor([ids])).logits[0, -1]
     assert resp.choices[0].text == tok.decode_token(int(logits.argmax()))
     assert resp.choices[0].finish_reason in ("length", "stop")
-    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage is not None and resp.usage.prompt_tokens == len(ids)
 
 
-def test_streaming_chat_first_chunk_then_done(client) -> None:
+def test_streaming_chat_first_chunk_then_done(client: openai.OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(
             model="tiny",
@@ -89,7 +92,9 @@ def test_streaming_chat_first_chunk_then_done(client) -> None:
     assert client.models.list().data[0].id == "tiny"
 
 
-def test_classification_by_rule_header_and_unknown_fallback(stack, client) -> None:
+def test_classification_by_rule_header_and_unknown_fallback(
+    stack: dict[str, Any], client: openai.OpenAI
+) -> None:
     raw = client.completions.with_raw_response.create(
         model="tiny", prompt="x", max_tokens=1, extra_headers={"x-task": "summarise"}
     )
@@ -103,7 +108,9 @@ def test_classification_by_rule_header_and_unknown_fallback(stack, client) -> No
     assert 'flowprefill_gateway_slo_requests_total{outcome="met",slo_class="file"}' in metrics
 
 
-def test_slo_table_reload_changes_classification(stack, client) -> None:
+def test_slo_table_reload_changes_classification(
+    stack: dict[str, Any], client: openai.OpenAI
+) -> None:
     table = json.loads(json.dumps(SLO_TABLE))
     table["default_class"] = "file"
     tmp = stack["table"].with_suffix(".new")
@@ -132,7 +139,9 @@ def test_slo_table_reload_changes_classification(stack, client) -> None:
         (json.dumps({"model": "tiny", "prompt": "x" * 300_000}), 413, "larger than"),
     ],
 )
-def test_bad_input_gets_openai_style_errors(stack, content, status, needle) -> None:
+def test_bad_input_gets_openai_style_errors(
+    stack: dict[str, Any], content: str, status: int, needle: str
+) -> None:
     r = httpx.post(
         f"{stack['url']}/v1/completions",
         content=content,
@@ -142,14 +151,14 @@ def test_bad_input_gets_openai_style_errors(stack, content, status, needle) -> N
     assert needle in r.json()["error"]["message"]
 
 
-def test_typed_errors_through_the_openai_client(client) -> None:
+def test_typed_errors_through_the_openai_client(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=1)
 
 
-def test_without_decode_longer_outputs_fail_clearly(client) -> None:
+def test_without_decode_longer_outputs_fail_clearly(client: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=5)
     assert e.value.status_code == 503

@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -50,7 +51,12 @@ TABLE = {
 }
 
 
-def cls(headers=None, body=None, model="m", path="/v1/completions") -> tuple[str, str, str | None]:
+def cls(
+    headers: dict[str, str] | None = None,
+    body: str | None = None,
+    model: str | None = "m",
+    path: str = "/v1/completions",
+) -> tuple[str, str, str | None]:
     c = classify(
         SLOTable.model_validate(TABLE),
         headers=headers or {},
@@ -82,7 +88,7 @@ def test_no_default_and_no_match_is_a_clear_error() -> None:
         classify(table, headers={}, body_class=None, model="m", path="/v1/completions")
 
 
-def test_table_file_reloads_on_change_and_survives_bad_writes(tmp_path) -> None:
+def test_table_file_reloads_on_change_and_survives_bad_writes(tmp_path: Path) -> None:
     path = tmp_path / "slo-table.json"
     path.write_text(json.dumps(TABLE))
     f = SLOTableFile(path)

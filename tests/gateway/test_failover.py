@@ -72,8 +72,12 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) 
     raise TimeoutError(url)
 
 
+# model dir, temporary dir, the two prefill URLs, their processes
+TwoPrefills = tuple[Path, Path, list[str], list[subprocess.Popen[bytes]]]
+
+
 @pytest.fixture(scope="module")
-def two_prefills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list]:
+def two_prefills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoPrefills]:
     tmp = tmp_path_factory.mktemp("failover")
     model_dir = named_model_dir("tiny-llama", cache_dir=tmp / "models")
     profile = tmp / "profile.json"
@@ -84,7 +88,7 @@ def two_prefills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list]:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for url, proc in zip(urls, procs, strict=True):
             wait_ready(url, proc)
-        yield [model_dir, tmp, urls, procs]
+        yield model_dir, tmp, urls, procs
     finally:
         for p in procs:
             if p.poll() is None:
@@ -92,7 +96,9 @@ def two_prefills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list]:
             p.wait()
 
 
-def test_dead_prefill_instance_fails_in_flight_and_is_routed_around(two_prefills) -> None:
+def test_dead_prefill_instance_fails_in_flight_and_is_routed_around(
+    two_prefills: TwoPrefills,
+) -> None:
     model_dir, tmp, urls, procs = two_prefills
     (tmp / "slo.json").write_text(json.dumps(TABLE))
     config = GatewayConfig(

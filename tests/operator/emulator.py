@@ -31,7 +31,7 @@ import jsonpatch
 import kmock
 import yaml
 
-Key = tuple[Any, str | None, str]
+Key = tuple[kmock.resource, str | None, str]
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -87,7 +87,7 @@ def selector_matches(reqs: list[tuple[str, str, set[str]]], labels: dict[str, st
     return True
 
 
-class ClusterEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
+class ClusterEmulator(kmock.KubernetesEmulator):
     """See the module docstring."""
 
     def __attrs_post_init__(self) -> None:
@@ -146,7 +146,11 @@ class ClusterEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         return await super()._handle(request)
 
     def _key(self, request: kmock.Request, name: str | None = None) -> Key:
-        return (request.resource, request.namespace, name or request.name)
+        # Only object requests get here: a resource and a name (kmock's parsing makes them
+        # FETCH/UPDATE/DELETE; a create passes the name from its body).
+        resource, name = request.resource, name or request.name
+        assert resource is not None and name is not None
+        return (resource, request.namespace, name)
 
     def _get(self, key: Key) -> dict[str, Any] | None:
         try:
@@ -210,6 +214,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 
     async def _watch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         raw_request = request._raw_request
+        assert raw_request is not None  # None only for requests made in code, not over HTTP
         response = aiohttp.web.StreamResponse()
         response.content_type = "application/json"
         await response.prepare(raw_request)
@@ -240,8 +245,12 @@ class ClusterEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                         await response.write(json.dumps(event).encode() + b"\n")
                 while True:
                     seen = position
+
+                    def grown(seen: int = seen) -> bool:
+                        return len(self._events) > seen
+
                     async with self._changed:
-                        await self._changed.wait_for(lambda seen=seen: len(self._events) > seen)
+                        await self._changed.wait_for(grown)
                         batch = self._events[position:]
                         position = len(self._events)
                     for _rv, res, event in batch:

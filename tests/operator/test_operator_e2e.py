@@ -58,6 +58,7 @@ def test_examples_make_the_expected_children(cluster: Cluster, repo_root: Path) 
         ),
         what="SLO table",
     )
+    assert table  # wait_for returns only truthy values; this narrows out the False
     assert table["default_class"] == "chat"
     assert [c["name"] for c in table["classes"]] == ["chat", "image", "search", "file"]
     prefill = cluster.get("Deployment", ns, "llama3-8b-prefill")
@@ -67,6 +68,7 @@ def test_examples_make_the_expected_children(cluster: Cluster, repo_root: Path) 
         == (cluster.get("ServingPool", ns, "llama3-8b-prefill")["metadata"]["uid"])
     )
     status = wait_for(lambda: cluster.get("ServingPool", ns, "llama3-8b-prefill").get("status"))
+    assert status is not None  # wait_for returns only truthy values
     assert status["observedGeneration"] == 1
     assert status["phase"] == "Progressing"  # no pods in an emulator
     assert status["gateway"].startswith("http://llama3-8b-gateway.e2e-examples.svc")
@@ -288,6 +290,7 @@ def test_attainment_comes_from_gateway_metrics(cluster: Cluster) -> None:
             ),
             what="attainment",
         )
+        assert status  # wait_for returns only truthy values; this narrows out the False
         assert status["attainment"] == pytest.approx(0.9)
         assert status["windowSeconds"] == 300
         assert (cluster.get("SLOClass", ns, "file").get("status") or {}).get("requestCount") == 0

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ def test_fit_recovers_a_quadratic() -> None:
     assert p.fit_error is not None and p.fit_error.max_abs_pct < 1e-4
 
 
-def test_round_trip_and_versioning(tmp_path) -> None:
+def test_round_trip_and_versioning(tmp_path: Path) -> None:
     p = TTFTPredictor.fit([(10, 0.01), (100, 0.05), (1000, 0.6)], degree=1, model="m")
     path = tmp_path / "profile.json"
     p.save(path)

@@ -45,7 +45,9 @@ def body(rid: str, n: int = 16, budget_ms: float = 1000.0) -> dict:
     }
 
 
-def test_prefill_answers_with_the_models_first_token(server, executor) -> None:
+def test_prefill_answers_with_the_models_first_token(
+    server: tuple[str, PrefillEngine], executor: PreemptibleExecutor
+) -> None:
     url, _ = server
     r = httpx.post(f"{url}/v1/prefill", json=body("a", 40), timeout=30)
     assert r.status_code == 200, r.text
@@ -72,7 +74,9 @@ def test_prefill_answers_with_the_models_first_token(server, executor) -> None:
         ("[" + "1," * 40000 + "1]", 413, "larger than"),
     ],
 )
-def test_bad_requests_get_openai_style_4xx(server, payload, status, needle) -> None:
+def test_bad_requests_get_openai_style_4xx(
+    server: tuple[str, PrefillEngine], payload: str, status: int, needle: str
+) -> None:
     url, _ = server
     r = httpx.post(
         f"{url}/v1/prefill",
@@ -88,7 +92,7 @@ def test_bad_requests_get_openai_style_4xx(server, payload, status, needle) -> N
     assert httpx.post(f"{url}/v1/prefill", json=body("ok"), timeout=30).status_code == 200
 
 
-def test_client_disconnect_cancels_the_request(server) -> None:
+def test_client_disconnect_cancels_the_request(server: tuple[str, PrefillEngine]) -> None:
     url, engine = server
     host, port = url.removeprefix("http://").split(":")
     payload = json.dumps(body("gone", n=8000, budget_ms=60_000)).encode()
@@ -113,7 +117,7 @@ def test_client_disconnect_cancels_the_request(server) -> None:
     assert 'outcome="cancelled"' in metrics
 
 
-def test_kv_hand_off_is_written_for_decode(executor, tmp_path) -> None:
+def test_kv_hand_off_is_written_for_decode(executor: PreemptibleExecutor, tmp_path: Path) -> None:
     from flowprefill.kv import HandoffRef, SharedDirTransport
     from flowprefill.server.kv_sink import directory_sink
 
