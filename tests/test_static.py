@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TREES = ["flowprefill", "operator", "tests", "benchmarks"]
-TYPED = ["flowprefill", "operator/flowprefill_operator", "tests", "benchmarks"]
+TREES = ["flowprefill", "operator", "tests", "benchmarks", "scripts"]
+TYPED = ["flowprefill", "operator/flowprefill_operator", "tests", "benchmarks", "scripts"]
 
 
 def _run(tool: str, *args: str, timeout_s: float = 600) -> None:

@@ -318,6 +318,8 @@ class PrefillAnswer:
     kv_transfer_params: dict[str, Any] | None
     kv_pending: asyncio.Task[dict[str, Any] | None] | None = None
     """The rest of a streamed answer: the hand-off parameters once prefill has written them."""
+    prefill_url: str | None = None
+    """The prefill instance that answered (base URL): it serves ``DELETE /v1/kv/<id>``."""
 
     async def hand_off(self) -> dict[str, Any] | None:
         """What decode needs to load the prompt's KV cache; None: decode recomputes it."""
@@ -369,10 +371,11 @@ class PrefillClient:
         self.http = http
 
     def release(self, answer: PrefillAnswer) -> None:
-        """Decode will not load this answer's KV hand-off: delete it where prefill serves
-        it (``http`` transport: ``source`` in the parameters) instead of leaving it to
-        prefill's age sweep, so it does not fill the prefill pod's disk. In the background;
-        a failure only leaves the file to the sweep."""
+        """Decode will not load this answer's KV hand-off: delete it through the prefill
+        instance that wrote it (``source`` in the parameters for the ``http`` transport,
+        else the instance that answered: it owns the shared directory) instead of leaving
+        it to prefill's age sweep, so it does not fill the disk. In the background; a
+        failure only leaves the file to the sweep."""
         task = asyncio.create_task(self._release(answer))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
@@ -382,9 +385,9 @@ class PrefillClient:
         body = (params or {}).get("flowprefill")
         if not isinstance(body, dict):
             return
-        source, handoff_id = body.get("source"), body.get("handoff_id")
+        source, handoff_id = body.get("source") or answer.prefill_url, body.get("handoff_id")
         if not (isinstance(source, str) and isinstance(handoff_id, str)):
-            return  # shared_dir: prefill's sweep owns the volume
+            return
         try:
             await self.http.delete("prefill", f"{source.rstrip('/')}/v1/kv/{handoff_id}")
         except UpstreamError as e:
@@ -411,7 +414,7 @@ class PrefillClient:
             "slo_class": slo_class,
             "hand_off_kv": hand_off_kv,
         }
-        url = f"{url}/v1/prefill"
+        base, url = url, f"{url}/v1/prefill"
         if not hand_off_kv:
             return _answer(await self.http.post_json("prefill", url, body, headers))
         payloads = self.http.sse("prefill", url, {**body, "stream": True}, headers)
@@ -433,7 +436,7 @@ class PrefillClient:
         task = asyncio.create_task(_kv_params(payloads, request_id))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
-        return replace(answer, kv_pending=task)
+        return replace(answer, kv_pending=task, prefill_url=base)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ def kv_transfer_config(
 
     ``storage_path`` is the shared directory (``shared_dir``) or decode's local cache
     directory (``http``). ``extra`` goes to ``kv_connector_extra_config`` (e.g.
-    ``delete_after_load=True``, ``timeout_s=2``).
+    ``delete_after_load=False``, ``timeout_s=2``).
     """
     if transport == "http":
         where: dict[str, object] = {

@@ -53,11 +53,14 @@ one in each worker):
   CUDA's NHD/HND, fp8 scaling) is the backend's concern, not ours. ``wait_for_layer_load``
   has nothing to wait for. Verified on CPU; on GPU the same path runs with a host→device
   copy but has not been executed (no GPU here).
-* **Clean-up** (``request_finished``). Reports ``loaded_tokens``; deletes the hand-off when
-  ``delete_after_load`` is set in the extra config (default false for ``shared_dir``: the
-  prefill side owns the files and sweeps them, see ``SharedDirTransport.sweep``; default
-  true for ``http``: the local copy is removed and the source gets a background
-  ``DELETE``). Without it, a transport's own copy is still dropped (``discard``).
+* **Clean-up** (``request_finished``). Reports ``loaded_tokens``; deletes the hand-off
+  (``delete_after_load``, default true: ``shared_dir`` removes the file, ``http`` its local
+  copy and sends the source a background ``DELETE``). Once the request is finished nobody
+  reads it again (a request preempted inside vLLM reloads it before it finishes), and a
+  hand-off is large — ~0.5 GB for 4K tokens of Llama-3-8B in bf16 — so leaving it to
+  prefill's age sweep (``SharedDirTransport.sweep``, for orphans) would fill the volume
+  with minutes of traffic. ``delete_after_load: false`` keeps it; a transport's own copy
+  is still dropped (``discard``).
 
 This connector never produces KV (``save_kv_layer`` is a no-op): the producer is
 FlowPrefill's own prefill engine, not a vLLM instance.
@@ -162,7 +165,7 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         transport = str(extra.get("transport", "shared_dir"))
         path = extra.get("shared_storage_path") or default_storage_path()
         self._transport = make_transport(transport, **{**extra, "path": path})
-        self._delete_after_load = bool(extra.get("delete_after_load", transport == "http"))
+        self._delete_after_load = bool(extra.get("delete_after_load", True))
         self._block_size = int(vllm_config.cache_config.block_size)
         model_config = vllm_config.model_config
         if getattr(model_config, "use_mla", False):

@@ -104,7 +104,8 @@ class SharedDirTransport:
     """Hand-offs as ``<root>/<id>.kv.safetensors``, written atomically (temp file + rename).
 
     Orphans (a client that went away before decode) are removed by :meth:`sweep`; the
-    connector deletes a hand-off when its request finishes if ``delete_after_load`` is set.
+    connector deletes a hand-off when its request finishes (``delete_after_load``, default
+    on).
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flowprefill.server.kv_sink import DirectorySink
 
 log = logging.getLogger(__name__)
 
@@ -70,29 +74,10 @@ def run(args: argparse.Namespace) -> int:
         batching=config.batching,
         token_budget=config.batch_token_budget,
     )
-    kv_sink = kv_store = None
-    if args.kv_dir or args.kv_transport == "http":
-        from flowprefill.kv import default_storage_path
-        from flowprefill.server.kv_sink import advertise_url, directory_sink
-
-        source = None
-        if args.kv_transport == "http":
-            source = advertise_url(args.host, args.port, args.kv_advertise_url)
-            if args.host in ("0.0.0.0", "::") and "://127." in source:
-                log.warning(
-                    "KV hand-offs advertised as %s, which other machines cannot reach: set "
-                    "--kv-advertise-url or $FLOWPREFILL_KV_ADVERTISE_URL (e.g. the pod IP)",
-                    source,
-                )
-        kv_sink = directory_sink(
-            args.kv_dir or default_storage_path(),
-            model.config,
-            max_age_s=args.kv_max_age,
-            source=source,
-        )
-        if source is not None:
-            kv_store = kv_sink.transport
-            log.info("KV hand-offs in %s, served to decode as %s", kv_store.root, source)
+    kv_sink = kv_handoff(args, model.config)
+    # /v1/kv/<id>: decode pulls hand-offs from it (http); the gateway deletes the ones
+    # decode will not load through it (both transports).
+    kv_store = kv_sink.transport if kv_sink is not None else None
     app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store)
     log.info(
         "prefill instance: %s, granularity %s, policy %s, port %d",
@@ -109,3 +94,33 @@ def run(args: argparse.Namespace) -> int:
         log_level="info",
     )
     return 0
+
+
+def kv_handoff(args: argparse.Namespace, model_config: Any) -> DirectorySink | None:
+    """Where this instance writes KV hand-offs for decode, or None (no --kv-dir and the
+    shared_dir transport: decode recomputes)."""
+    if not (args.kv_dir or args.kv_transport == "http"):
+        return None
+    from flowprefill.kv import default_storage_path
+    from flowprefill.server.kv_sink import advertise_url, directory_sink
+
+    source = None
+    if args.kv_transport == "http":
+        source = advertise_url(args.host, args.port, args.kv_advertise_url)
+        if args.host in ("0.0.0.0", "::") and "://127." in source:
+            log.warning(
+                "KV hand-offs advertised as %s, which other machines cannot reach: set "
+                "--kv-advertise-url or $FLOWPREFILL_KV_ADVERTISE_URL (e.g. the pod IP)",
+                source,
+            )
+    sink = directory_sink(
+        args.kv_dir or default_storage_path(),
+        model_config,
+        max_age_s=args.kv_max_age,
+        source=source,
+    )
+    if source is not None:
+        log.info("KV hand-offs in %s, served to decode as %s", sink.transport.root, source)
+    else:
+        log.info("KV hand-offs in shared directory %s", sink.transport.root)
+    return sink

@@ -84,7 +84,8 @@ def decode(
         max_model_len=2048,
         enable_prefix_caching=prefix_caching,
         distributed_executor_backend="uni",
-        kv_transfer_config=kv_transfer_config(str(store)),
+        # Each hand-off is loaded by several cases below: keep it after a request.
+        kv_transfer_config=kv_transfer_config(str(store), delete_after_load=False),
         seed=0,
     )
     startup_s = time.perf_counter() - t0

@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         "kv_connector": "FlowPrefillConnector",
         "kv_connector_module_path": "flowprefill.kv.connector",
         "kv_role": "kv_consumer",
-        "kv_connector_extra_config": {"shared_storage_path": str(args.store)},
+        # Each hand-off is loaded more than once (streamed and not): keep it.
+        "kv_connector_extra_config": {
+            "shared_storage_path": str(args.store),
+            "delete_after_load": False,
+        },
     }
     cmd = [
         sys.executable,

@@ -169,6 +169,14 @@ def test_openai_client_gets_the_same_tokens_as_vllm_alone(stack: dict[str, Any])
         if ch.choices
     )
     assert streamed == expected
+    # Decode loaded the hand-off and deleted it when the request finished (shared_dir:
+    # nothing is left for the age sweep).
+    assert f"of hand-off {resp.id}" in (stack["tmp"] / "vllm.log").read_text()
+    handoff = stack["kv_dir"] / f"{resp.id}.kv.safetensors"
+    deadline = time.monotonic() + 10
+    while handoff.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not handoff.exists()
 
 
 def test_streaming_chat_matches_non_streaming(stack: dict[str, Any]) -> None:

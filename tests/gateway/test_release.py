@@ -1,8 +1,9 @@
-"""Hand-offs decode will never load are deleted where prefill serves them (http transport).
+"""Hand-offs decode will never load are deleted where prefill serves them.
 
 A real gateway between stub upstreams: prefill streams its first token and then hand-off
-parameters naming itself as ``source``; decode is a stub vLLM. Left alone such files would
-stay on the prefill pod's disk until the age sweep.
+parameters naming itself as ``source`` (http transport) or no source (shared_dir: the
+instance that answered owns the directory); decode is a stub vLLM. Left alone such files
+would stay on disk until the age sweep.
 """
 
 from __future__ import annotations
@@ -142,3 +143,17 @@ def test_failed_decode_releases_it_and_a_finished_one_does_not(
     assert u.decoded[-1]["kv_transfer_params"]["flowprefill"]["handoff_id"] == r.json()["id"]
     time.sleep(0.5)
     assert len(u.deleted) == before
+
+
+def test_shared_dir_handoff_is_released_through_the_prefill_that_wrote_it(
+    gateway: tuple[str, Upstreams, Any],
+) -> None:
+    gw, u, state = gateway
+    source, u.source = u.source, ""  # shared_dir: the parameters name no source
+    try:
+        u.first_token = min(state.tokenizer.eos_token_ids)
+        r = _complete(gw)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+        assert _deleted(u, r.json()["id"])
+    finally:
+        u.source, u.first_token = source, 5

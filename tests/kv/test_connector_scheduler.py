@@ -163,12 +163,17 @@ def test_malformed_params_are_ignored(store: Path) -> None:
     assert matched(conn, req) == (0, False)
 
 
-def test_delete_after_load(store: Path) -> None:
-    conn = make_connector(store, delete_after_load=True)
+@pytest.mark.parametrize(("extra", "kept"), [({}, False), ({"delete_after_load": False}, True)])
+def test_a_finished_request_deletes_its_handoff_unless_told_not_to(
+    store: Path, extra: dict[str, Any], kept: bool
+) -> None:
+    """Default: decode deletes the shared file once the request finished (hand-offs are
+    large; the age sweep is for orphans)."""
+    conn = make_connector(store, **extra)
     req = request("a", [*PROMPT, 7], HandoffRef("h1").to_params())
-    matched(conn, req)
+    assert matched(conn, req) == (200, False)
     conn.request_finished(req, [])
-    assert not (store / "h1.kv.safetensors").exists()
+    assert (store / "h1.kv.safetensors").exists() is kept
 
 
 def test_http_transport_unreachable_source_means_recompute(store: Path) -> None:

@@ -1,0 +1,59 @@
+"""``serve-prefill``'s KV hand-off wiring: which directory, what the answer advertises, and
+that ``/v1/kv/<id>`` is served for both transports (the gateway deletes hand-offs decode
+will not load through it)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from flowprefill.engine import PrefillEngine
+from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.models import load_model, named_model_dir
+from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.server.cli import add_arguments, kv_handoff
+from flowprefill.server.prefill import create_app
+from tests.helpers import serve_in_thread
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_no_kv_dir_and_shared_dir_means_no_handoff() -> None:
+    assert kv_handoff(_args(), model_config=None) is None
+
+
+@pytest.mark.parametrize("transport", ["shared_dir", "http"])
+def test_handoffs_are_written_and_deletable_through_the_server(
+    tmp_path: Path, transport: str
+) -> None:
+    torch.manual_seed(0)
+    model = load_model(named_model_dir("tiny-llama", cache_dir=tmp_path / "models"))
+    argv = ["--kv-dir", str(tmp_path / "kv"), "--kv-transport", transport]
+    argv += ["--host", "127.0.0.1", "--port", "8123"]
+    sink = kv_handoff(_args(*argv), model.config)
+    assert sink is not None and sink.transport.root == tmp_path / "kv"
+    with PreemptibleExecutor(model, granularity="operator") as executor:
+        engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
+        app = create_app(engine, kv_sink=sink, kv_store=sink.transport)
+        with serve_in_thread(app) as url:
+            body = {"request_id": "w1", "prompt_token_ids": list(range(1, 40))}
+            r = httpx.post(f"{url}/v1/prefill", json={**body, "ttft_budget_ms": 60_000})
+            assert r.status_code == 200, r.text
+            params = r.json()["kv_transfer_params"]["flowprefill"]
+            assert params["handoff_id"] == "w1"
+            # http advertises where decode pulls from; shared_dir names no source.
+            assert params.get("source") == (
+                "http://127.0.0.1:8123" if transport == "http" else None
+            )
+            assert (tmp_path / "kv" / "w1.kv.safetensors").is_file()
+            assert httpx.delete(f"{url}/v1/kv/w1").json() == {"handoff_id": "w1", "deleted": True}
+            assert not (tmp_path / "kv" / "w1.kv.safetensors").exists()
+            assert httpx.delete(f"{url}/v1/kv/w1").status_code == 404
