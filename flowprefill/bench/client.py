@@ -3,7 +3,9 @@
 Each request is sent at its arrival time (open loop: a slow server does not slow the
 arrivals), streamed, and timed at the first content chunk. Prompts are token-id lists of
 the workload's lengths (random ids from a seeded generator), which both vLLM and the
-FlowPrefill gateway accept.
+FlowPrefill gateway accept. The stream asks for OpenAI's closing usage chunk
+(``stream_options.include_usage``), so the time per output token after the first (TPOT)
+is measured on the tokens the server says it generated.
 """
 
 from __future__ import annotations
@@ -29,12 +31,22 @@ class Outcome:
     sent_s: float
     ttft_s: float | None = None
     latency_s: float | None = None
+    output_tokens: int | None = None
     status: int = 0
     error: str | None = None
 
     @property
     def met(self) -> bool:
         return self.ttft_s is not None and self.error is None and self.ttft_s <= self.ttft_slo_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None without two tokens."""
+        if self.error is not None or self.ttft_s is None or self.latency_s is None:
+            return None
+        if self.output_tokens is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +71,7 @@ async def _one(
         "prompt": prompt,
         "max_tokens": opts.max_tokens,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "temperature": 0.0,
     }
     if opts.priorities is not None:
@@ -86,6 +99,9 @@ async def _one(
                     break
                 if out.ttft_s is None and chunk.get("choices"):
                     out.ttft_s = time.monotonic() - t0
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    out.output_tokens = usage["completion_tokens"]
         out.latency_s = time.monotonic() - t0
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"[:300]

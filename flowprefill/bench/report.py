@@ -1,4 +1,5 @@
-"""Bench results: per-class attainment and TTFT percentiles, goodput over rates, JSON, plot."""
+"""Bench results: per-class attainment, TTFT and TPOT percentiles, goodput over rates, JSON,
+plot."""
 
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     classes = {}
     for name, os_ in [*sorted(by_class.items()), ("all", outcomes)]:
         ttfts = [o.ttft_s for o in os_ if o.ttft_s is not None and o.error is None]
+        tpots = [t for o in os_ if (t := o.tpot_s) is not None]
         classes[name] = {
             "requests": len(os_),
             "errors": sum(o.error is not None for o in os_),
             "attainment": sum(o.met for o in os_) / len(os_) if os_ else 0.0,
             "ttft_p50_s": percentile(ttfts, 0.5),
             "ttft_p99_s": percentile(ttfts, 0.99),
+            "tpot_p50_s": percentile(tpots, 0.5),
+            "tpot_p99_s": percentile(tpots, 0.99),
             "slo_s": os_[0].ttft_slo_s if name != "all" and os_ else None,
         }
     return classes
@@ -56,11 +60,16 @@ def table(rate_results: dict[float, dict[str, Any]], title: str) -> Table:
         "attainment",
         "p50 TTFT ms",
         "p99 TTFT ms",
+        "p50 TPOT ms",
+        "p99 TPOT ms",
     ):
         t.add_column(col, justify="left" if col == "class" else "right")
 
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.0f}"
+
+    def ms1(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.1f}"
 
     for rate, classes in sorted(rate_results.items()):
         for i, (name, c) in enumerate(classes.items()):
@@ -73,6 +82,8 @@ def table(rate_results: dict[float, dict[str, Any]], title: str) -> Table:
                 f"{c['attainment']:.0%}",
                 ms(c["ttft_p50_s"]),
                 ms(c["ttft_p99_s"]),
+                ms1(c.get("tpot_p50_s")),
+                ms1(c.get("tpot_p99_s")),
                 end_section=name == "all",
             )
     return t

@@ -378,7 +378,29 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             m.errors.labels(reason).inc()
             err = {"error": {"message": str(e), "type": "upstream_error", "code": reason}}
             yield f"data: {json.dumps(err)}\n\n"
+        options = job.body.stream_options
+        if options is not None and options.include_usage:
+            yield usage_chunk(job)
         yield "data: [DONE]\n\n"
+
+    def usage_chunk(job: Job) -> str:
+        """OpenAI's last chunk under ``stream_options.include_usage``: no choices, the usage."""
+        payload = {
+            "id": job.request_id,
+            "object": "chat.completion.chunk" if job.kind == "chat.completion" else job.kind,
+            "created": job.created,
+            "model": state.model_name,
+            "choices": [],
+            "usage": usage(job),
+        }
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def usage(job: Job) -> dict[str, int]:
+        return {
+            "prompt_tokens": len(job.token_ids),
+            "completion_tokens": job.completion_tokens,
+            "total_tokens": len(job.token_ids) + job.completion_tokens,
+        }
 
     async def collect(
         job: Job, answer: PrefillAnswer, first_text: str, headers: dict[str, str]
@@ -403,18 +425,13 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             }
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        completion_tokens = job.completion_tokens
         body = {
             "id": job.request_id,
             "object": job.kind,
             "created": job.created,
             "model": state.model_name,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(job.token_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(job.token_ids) + completion_tokens,
-            },
+            "usage": usage(job),
         }
         return JSONResponse(body, headers=headers)
 

@@ -11,6 +11,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = Field(
+        False, description="Send a last chunk with the usage and no choices (OpenAI semantics)."
+    )
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -18,6 +26,7 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None

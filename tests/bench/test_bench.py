@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -119,3 +120,48 @@ def test_every_rate_sends_prompts_of_its_own(tmp_path: Path) -> None:
     assert len(blocks) > 30 and len(set(blocks)) == len(blocks)
     # ...and a second run with the same seed sends the same prompts (reproducible).
     assert sorted(first_run) == sorted(second_run)
+
+
+def _paced_server(gap_s: float, tokens: int, usage: bool) -> FastAPI:
+    """Streams ``tokens`` chunks ``gap_s`` apart, then (``usage``) OpenAI's usage chunk."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: FastAPIRequest) -> StreamingResponse:
+        body = await request.json()
+        assert body["stream_options"] == {"include_usage": True}
+
+        async def events() -> AsyncIterator[str]:
+            for i in range(tokens):
+                if i:
+                    await asyncio.sleep(gap_s)
+                choice = {"index": 0, "text": "x", "finish_reason": None}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            if usage:
+                counts = {
+                    "prompt_tokens": 3,
+                    "completion_tokens": tokens,
+                    "total_tokens": 3 + tokens,
+                }
+                yield f"data: {json.dumps({'choices': [], 'usage': counts})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_time_per_output_token_comes_from_the_usage_the_server_reports(
+    tmp_path: Path, usage: bool
+) -> None:
+    args = ["bench", "--num-requests", "6", "--length-scale", "0.05", "--max-tokens", "5"]
+    with serve_in_thread(_paced_server(0.05, 5, usage)) as url:
+        argv = [*args, "--url", url, "--model", "m", "--rates", "20"]
+        assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    res = json.loads((tmp_path / "out" / "bench.json").read_text())["rates"]["20.0"]["all"]
+    if not usage:  # no token count: no TPOT rather than a guess from chunk counts
+        assert res["tpot_p50_s"] is None
+        return
+    # 4 gaps of 50 ms after the first token: at least 50 ms per token, whatever the load.
+    assert 0.05 <= res["tpot_p50_s"] <= res["tpot_p99_s"] < 1.0

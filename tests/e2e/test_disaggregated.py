@@ -161,14 +161,22 @@ def test_openai_client_gets_the_same_tokens_as_vllm_alone(stack: dict[str, Any])
     resp = c.completions.create(model="demo", prompt=ids, max_tokens=12, temperature=0)
     assert resp.choices[0].text == expected
     assert resp.usage is not None and resp.usage.completion_tokens == 12
-    streamed = "".join(
-        ch.choices[0].text
-        for ch in c.completions.create(
-            model="demo", prompt=ids, max_tokens=12, temperature=0, stream=True
+    chunks = list(
+        c.completions.create(
+            model="demo",
+            prompt=ids,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
-        if ch.choices
     )
-    assert streamed == expected
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected
+    # OpenAI's closing usage chunk: no choices; the first token plus what decode generated.
+    last = chunks[-1]
+    assert not last.choices and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (300, 12)
+    assert all(ch.usage is None for ch in chunks[:-1])
     # Decode loaded the hand-off and deleted it when the request finished (shared_dir:
     # nothing is left for the age sweep).
     assert f"of hand-off {resp.id}" in (stack["tmp"] / "vllm.log").read_text()
