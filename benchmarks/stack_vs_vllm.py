@@ -84,7 +84,7 @@ def run_bench(
         "--max-prompt-tokens",
         "4000",
         "--max-tokens",
-        "4",
+        str(args.max_tokens),
         "--vocab-size",
         "30000",
         "--slo-table",
@@ -112,6 +112,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=f"runs/stack-vs-vllm-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--systems", default="flowprefill,flowprefill-fcfs,vllm-priority-cp2k")
+    ap.add_argument(
+        "--max-tokens", type=int, default=4, help="output tokens per request (TPOT needs >= 2)"
+    )
     args = ap.parse_args()
 
     from flowprefill.backend import build_executor, quick_profile
@@ -219,7 +222,21 @@ def main() -> None:
             )
         g = rep["goodput_req_s"]
         t.add_row(system, "-" if g is None else f"{g:g}", *cells)
-    console.print(t)
+    wide = Console(width=max(console.width, 40 + 28 * len(rates)))
+    wide.print(t)
+    overall = Table(title="all classes: attainment · time per output token p50 / p99 (ms)")
+    overall.add_column("system")
+    for r in rates:
+        overall.add_column(f"@{float(r):g} req/s", justify="right")
+    for system, rep in results.items():
+        cells = []
+        for r in rates:
+            res = rep["rates"][r]["all"]
+            p50, p99 = res.get("tpot_p50_s"), res.get("tpot_p99_s")
+            tpot = "-" if p50 is None else f"{p50 * 1e3:.1f} / {p99 * 1e3:.1f}"
+            cells.append(f"{res['attainment']:.0%} · {tpot}")
+        overall.add_row(system, *cells)
+    wide.print(overall)
     base = results.get("flowprefill", {}).get("goodput_req_s")
     for system, rep in results.items():
         g = rep["goodput_req_s"]
