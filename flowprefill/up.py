@@ -188,11 +188,7 @@ def decode_command(
     cache of hand-offs pulled from prefill (``http``)."""
     from flowprefill.kv import kv_transfer_config
 
-    kv_config = {
-        **kv_transfer_config(str(kv_dir), transport=transport),
-        # An unusable hand-off must mean "recompute", never a failed request.
-        "kv_load_failure_policy": "recompute",
-    }
+    kv_config = kv_transfer_config(str(kv_dir), transport=transport)
     return vllm_server_command(
         model_dir,
         port,

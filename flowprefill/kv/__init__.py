@@ -62,6 +62,9 @@ def kv_transfer_config(
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_consumer",
+        # A hand-off that fails while loading (truncated download, file swept) must mean
+        # "recompute those blocks", never a failed request (vLLM's default is "fail").
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {**where, **extra},
     }
 

@@ -150,7 +150,8 @@ def test_decode_command_and_model_image_volume() -> None:
         "8200",
         "--kv-transfer-config",
         '{"kv_connector":"FlowPrefillConnector","kv_connector_module_path":'
-        '"flowprefill.kv.connector","kv_role":"kv_consumer"}',
+        '"flowprefill.kv.connector","kv_role":"kv_consumer",'
+        '"kv_load_failure_policy":"recompute"}',
         "--max-model-len=8192",
     ]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -223,6 +224,8 @@ def test_http_kv_handoff_matches_what_the_connector_and_server_read() -> None:
     command = _pod(d)["containers"][0]["command"]
     built = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert built == connector_config("/var/lib/flowprefill/kv", transport="http")
+    # A failed load recomputes instead of failing the request (vLLM's default is "fail").
+    assert built["kv_load_failure_policy"] == "recompute"
     p = PREFILL.model_validate({**PREFILL.wire(), "kvHandoff": {"transport": "http"}})
     assert ADVERTISE_URL_ENV in {e["name"] for e in _pod(p)["containers"][0]["env"]}
 

@@ -38,6 +38,8 @@ KV_TRANSFER_CONFIG = {
     "kv_connector": "FlowPrefillConnector",
     "kv_connector_module_path": "flowprefill.kv.connector",
     "kv_role": "kv_consumer",
+    # A load that fails (truncated download, swept file) recomputes; vLLM's default fails.
+    "kv_load_failure_policy": "recompute",
 }
 
 
