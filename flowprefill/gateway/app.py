@@ -106,6 +106,9 @@ class Job:
     deadline_s: float
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 1  # the first token; decode's usage adds the rest
+    decode_has_it: bool = False
+    """A decode instance may hold the request, so its connector deletes the hand-off when
+    the request ends there; the gateway deleting it too could race that instance's load."""
 
     @property
     def slo_name(self) -> str:
@@ -268,17 +271,16 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         if budget <= 0:  # prefill was asked for no hand-off
             yield "", "length"
             return
-        decoded = False
         try:
             # aclosing: a client gone closes the decode stream now, not at garbage collection.
             async with aclosing(decode(job, answer, budget)) as pieces:
                 async for piece in pieces:
                     yield piece
-            decoded = True
         finally:
-            # Decode that ran to its end loaded the hand-off; otherwise (decode failed,
-            # client gone) nobody will.
-            if not decoded:
+            # Nobody will load the hand-off when no decode instance got the request (client
+            # gone before decode, every instance refused or rejected it). Once one may
+            # have it, its connector deletes the hand-off when the request ends there.
+            if not job.decode_has_it:
                 state.prefill_client.release(answer)
 
     async def decode(
@@ -292,6 +294,8 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         for attempt in range(2):
             inst = state.decode_pool.pick(deadline_s=job.deadline_s, num_tokens=budget)
             state.decode_pool.begin(inst, job.request_id, job.deadline_s, budget)
+            streamed = False
+            job.decode_has_it = True  # from the moment the request may reach the instance
             try:
                 async for delta in state.decode_client.stream(
                     inst.url,
@@ -302,6 +306,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
                     headers=job.forward_headers(state.clock()),
                     request_id=job.request_id,
                 ):
+                    streamed = True
                     if delta.completion_tokens is not None:
                         job.completion_tokens = 1 + delta.completion_tokens
                     if delta.text or delta.finish_reason:
@@ -310,6 +315,9 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
                 state.decode_pool.mark_success(inst)
                 break
             except UpstreamError as e:
+                # Refused, or answered with an error before any output: vLLM did not keep
+                # the request, so its connector will not clean up after it.
+                job.decode_has_it = streamed
                 if e.status >= 500:
                     state.decode_pool.mark_failure(inst)
                 # A refused connection means the instance never saw the request, so another

@@ -34,9 +34,10 @@ one in each worker):
   HTTP range request to the prefill pod) runs on a small thread pool. The scheduler waits
   ``HEADER_INLINE_WAIT_S`` for it, which covers a local read or a same-zone round trip;
   a slower answer makes this method return ``None`` ("not known yet", vLLM's contract), so
-  vLLM schedules everything else and asks again on its next step. A source that never
-  answers costs that one request ``header_timeout_s`` (``http``), then a recompute; an
-  NFS-backed shared directory that hangs costs that request, not the whole engine.
+  vLLM schedules everything else and asks again on its next step. The waits of one
+  scheduling pass add up to at most ``STEP_INLINE_WAIT_S``. A source that never answers
+  costs that one request ``header_timeout_s`` (``http``), a hung shared volume
+  ``HEADER_DEADLINE_S``, then a recompute — not the whole engine.
 * **Unusable KV never fails a request.** A missing, corrupted or mismatching hand-off is
   logged, reported in the response's ``kv_transfer_params`` (``status: "recomputed"``) and
   the prompt is recomputed. A failure *during* the worker copy (after the scheduler counted
@@ -54,8 +55,9 @@ one in each worker):
   has nothing to wait for. Verified on CPU; on GPU the same path runs with a host→device
   copy but has not been executed (no GPU here).
 * **Clean-up** (``request_finished``). Reports ``loaded_tokens``; deletes the hand-off
-  (``delete_after_load``, default true: ``shared_dir`` removes the file, ``http`` its local
-  copy and sends the source a background ``DELETE``). Once the request is finished nobody
+  ``DELETE_GRACE_S`` later (``delete_after_load``, default true: ``shared_dir`` removes the
+  file, ``http`` its local copy and sends the source a background ``DELETE``; the grace
+  lets a step scheduled before an abort still load it). Once the request is finished nobody
   reads it again (a request preempted inside vLLM reloads it before it finishes), and a
   hand-off is large — ~0.5 GB for 4K tokens of Llama-3-8B in bf16 — so leaving it to
   prefill's age sweep (``SharedDirTransport.sweep``, for orphans) would fill the volume
@@ -68,8 +70,11 @@ FlowPrefill's own prefill engine, not a vLLM instance.
 
 from __future__ import annotations
 
+import heapq
 import logging
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -109,8 +114,19 @@ cap_idle_spin()
 
 HEADER_INLINE_WAIT_S = 0.005
 """How long ``get_num_new_matched_tokens`` waits for a hand-off header before answering
-"not known yet" (vLLM then asks again on its next step)."""
-HEADER_THREADS = 4
+"not known yet" (vLLM then asks again on its next step)..."""
+STEP_INLINE_WAIT_S = 0.010
+"""...and how long all such waits of one scheduling pass may add up to (a burst of new
+hand-off requests with slow headers must not stall the pass)."""
+HEADER_DEADLINE_S = 10.0
+"""A header not read by then means recompute (a hung network volume has no timeout of its
+own; the http transport gives up after its ``header_timeout_s`` first). Extra config
+``header_deadline_s``."""
+HEADER_THREADS = 16
+DELETE_GRACE_S = 5.0
+"""A finished request's hand-off is deleted this long after ``request_finished``: with
+vLLM's batch queue a step that loads it may already be scheduled when an abort finishes
+the request, and its worker must still find the file."""
 
 
 @dataclass
@@ -144,6 +160,7 @@ class _Tracked:
     header: KVHeader | None = None
     reason: str | None = None  # why the KV is unusable; None while usable
     pending: Future[KVHeader] | None = None  # header read still running
+    since: float = 0.0  # when the header read started (time.monotonic)
     start: int = 0
     end: int = 0
     loaded: int = 0
@@ -176,6 +193,9 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         self._model_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
         self._tracked: dict[str, _Tracked] = {}  # scheduler side
         self._header_pool: ThreadPoolExecutor | None = None  # scheduler side, made on use
+        self._header_deadline_s = float(extra.get("header_deadline_s", HEADER_DEADLINE_S))
+        self._inline_left_s = STEP_INLINE_WAIT_S  # scheduler side, reset every step
+        self._cleanup = _DelayedCleanup()  # scheduler side
         self._to_load: dict[str, _Tracked] = {}  # scheduler side, allocated, not yet sent
         self._failed_blocks: set[int] = set()  # worker side
         logger.info(
@@ -197,7 +217,15 @@ class FlowPrefillConnector(KVConnectorBase_V1):
             return 0, False
         if tracked.pending is not None:
             if not tracked.pending.done():
-                return None, False  # not known yet: vLLM skips the request this step
+                if time.monotonic() - tracked.since < self._header_deadline_s:
+                    return None, False  # not known yet: vLLM skips the request this step
+                tracked.pending.cancel()  # the read may go on; its result is ignored
+                tracked.pending = None
+                tracked.reason = f"hand-off header not read within {self._header_deadline_s:g} s"
+                logger.warning(
+                    "request %s: %s, recomputing the prompt", request.request_id, tracked.reason
+                )
+                return 0, False
             self._settle(request, tracked)
         if tracked.header is None:
             return 0, False
@@ -224,8 +252,11 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         if self._header_pool is None:
             self._header_pool = ThreadPoolExecutor(HEADER_THREADS, thread_name_prefix="kv-header")
         prompt = list(request.prompt_token_ids or [])
+        tracked.since = time.monotonic()
         tracked.pending = self._header_pool.submit(self._checked_header, req_id, ref, prompt)
-        wait_futures([tracked.pending], timeout=HEADER_INLINE_WAIT_S)
+        if self._inline_left_s > 0:
+            wait_futures([tracked.pending], timeout=min(HEADER_INLINE_WAIT_S, self._inline_left_s))
+            self._inline_left_s -= time.monotonic() - tracked.since
         return tracked
 
     def _checked_header(self, req_id: str, ref: HandoffRef, prompt: list[int]) -> KVHeader:
@@ -281,6 +312,8 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         self._to_load[request.request_id] = tracked
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        # Called once at the end of every scheduling pass.
+        self._inline_left_s = STEP_INLINE_WAIT_S
         meta = FlowPrefillConnectorMetadata()
         for new_req in scheduler_output.scheduled_new_reqs:
             tracked = self._to_load.pop(new_req.req_id, None)
@@ -317,16 +350,22 @@ class FlowPrefillConnector(KVConnectorBase_V1):
             tracked.pending.cancel()
             tracked.pending = None
             tracked.reason = tracked.reason or "request finished before its hand-off was read"
-        try:
-            if self._delete_after_load:
-                self._transport.delete(tracked.ref)
-            else:
-                self._transport.discard(tracked.ref)
-        except OSError as exc:  # clean-up must never fail a finished request
-            logger.warning("request %s: clean-up of hand-off failed: %s", request.request_id, exc)
+        self._cleanup.after(DELETE_GRACE_S, self._clean_up, tracked.ref)
         return False, result_params(tracked.ref, tracked.loaded, tracked.reason)
 
+    def _clean_up(self, ref: HandoffRef) -> None:
+        """Delete the hand-off (or, with ``delete_after_load`` off, the transport's own copy)."""
+        try:
+            if self._delete_after_load:
+                self._transport.delete(ref)
+            else:
+                self._transport.discard(ref)
+        except OSError as exc:  # clean-up must never fail a request
+            logger.warning("clean-up of hand-off %s failed: %s", ref.handoff_id, exc)
+
     def shutdown(self) -> None:
+        # No step runs after this: nothing can still be loading what awaits clean-up.
+        self._cleanup.run_all_now()
         # Header reads in flight are bounded by the transport's timeouts; don't wait for them.
         if self._header_pool is not None:
             self._header_pool.shutdown(wait=False, cancel_futures=True)
@@ -407,6 +446,44 @@ class FlowPrefillConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+
+class _DelayedCleanup:
+    """Runs clean-ups a given time after they are queued, on one daemon thread (started on
+    first use), whether or not vLLM schedules anything meanwhile."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Callable[[HandoffRef], None], HandoffRef]] = []
+        self._seq = 0
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def after(self, delay_s: float, fn: Callable[[HandoffRef], None], ref: HandoffRef) -> None:
+        with self._cv:
+            self._seq += 1
+            heapq.heappush(self._due, (time.monotonic() + delay_s, self._seq, fn, ref))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kv-cleanup", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def run_all_now(self) -> None:
+        with self._cv:
+            due, self._due = self._due, []
+        for _, _, fn, ref in sorted(due):
+            fn(ref)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    timeout = self._due[0][0] - time.monotonic() if self._due else None
+                    self._cv.wait(timeout)
+                _, _, fn, ref = heapq.heappop(self._due)
+            try:  # outside the lock: a slow unlink must not block request_finished
+                fn(ref)
+            except Exception:  # the thread serves every later clean-up: keep it alive
+                logger.exception("clean-up of hand-off %s failed", ref.handoff_id)
 
 
 def _attention_layers(forward_context: ForwardContext) -> dict[int, Any]:

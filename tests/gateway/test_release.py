@@ -8,6 +8,7 @@ would stay on disk until the age sweep.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -32,6 +33,7 @@ class Upstreams:
         self.first_token = 5
         self.source = ""
         self.decode_status = 200
+        self.decode_delay_s = 0.0
         self.prefilled: list[str] = []
         self.deleted: list[str] = []
         self.decoded: list[dict[str, Any]] = []
@@ -76,6 +78,7 @@ def upstream_app(u: Upstreams) -> FastAPI:
         u.decoded.append(body)
 
         async def events() -> AsyncIterator[str]:
+            await asyncio.sleep(u.decode_delay_s)
             chunk = {"choices": [{"index": 0, "text": " x", "finish_reason": "length"}]}
             yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
@@ -157,3 +160,24 @@ def test_shared_dir_handoff_is_released_through_the_prefill_that_wrote_it(
         assert _deleted(u, r.json()["id"])
     finally:
         u.source, u.first_token = source, 5
+
+
+def test_a_client_gone_while_decode_has_the_request_leaves_it_to_decode(
+    gateway: tuple[str, Upstreams, Any],
+) -> None:
+    """Decode may be loading the hand-off: its connector deletes it when the request ends
+    there. A DELETE from the gateway as well could pull the file from under that load."""
+    gw, u, _ = gateway
+    u.first_token, u.decode_delay_s = 5, 2.0
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+            with httpx.stream("POST", f"{gw}/v1/completions", json=body, timeout=0.5) as r:
+                for _ in r.iter_lines():
+                    pass
+        rid = u.prefilled[-1]
+        assert u.decoded and u.decoded[-1]["kv_transfer_params"]["flowprefill"]["handoff_id"] == rid
+        time.sleep(1.0)
+        assert rid not in u.deleted
+    finally:
+        u.decode_delay_s = 0.0

@@ -164,16 +164,90 @@ def test_malformed_params_are_ignored(store: Path) -> None:
 
 
 @pytest.mark.parametrize(("extra", "kept"), [({}, False), ({"delete_after_load": False}, True)])
-def test_a_finished_request_deletes_its_handoff_unless_told_not_to(
-    store: Path, extra: dict[str, Any], kept: bool
+def test_a_finished_request_deletes_its_handoff_after_a_grace_period(
+    store: Path, extra: dict[str, Any], kept: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Default: decode deletes the shared file once the request finished (hand-offs are
-    large; the age sweep is for orphans)."""
+    large; the age sweep is for orphans) — not at once: a step scheduled before an abort
+    may still load it."""
+    from flowprefill.kv import connector
+
+    monkeypatch.setattr(connector, "DELETE_GRACE_S", 0.2)
     conn = make_connector(store, **extra)
     req = request("a", [*PROMPT, 7], HandoffRef("h1").to_params())
     assert matched(conn, req) == (200, False)
     conn.request_finished(req, [])
+    assert (store / "h1.kv.safetensors").exists()  # within the grace period
+    # Deleted on time even if vLLM schedules nothing more (an idle engine).
+    deadline = time.monotonic() + 5
+    while (store / "h1.kv.safetensors").exists() and not kept and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
     assert (store / "h1.kv.safetensors").exists() is kept
+
+
+def test_shutdown_deletes_what_is_still_in_its_grace_period(store: Path) -> None:
+    conn = make_connector(store)
+    req = request("a", [*PROMPT, 7], HandoffRef("h1").to_params())
+    matched(conn, req)
+    conn.request_finished(req, [])
+    assert (store / "h1.kv.safetensors").exists()
+    conn.shutdown()
+    assert not (store / "h1.kv.safetensors").exists()
+
+
+def test_a_header_that_never_comes_means_recompute_after_the_deadline(store: Path) -> None:
+    """A hung shared volume has no timeout of its own: the connector gives up."""
+    release = threading.Event()
+    conn = make_connector(store, header_deadline_s=0.3)
+    real_header = conn._transport.header
+
+    def hung(ref: Any) -> Any:
+        release.wait(10)
+        return real_header(ref)
+
+    conn._transport.header = hung
+    req = request("a", [*PROMPT, 7], HandoffRef("h1").to_params())
+    t0 = time.monotonic()
+    try:
+        assert matched(conn, req) == (0, False)
+        assert 0.3 <= time.monotonic() - t0 < 5
+        _, out = conn.request_finished(req, [])
+        assert out["flowprefill"]["status"] == "recomputed"
+        assert "not read within 0.3 s" in out["flowprefill"]["reason"]
+    finally:
+        release.set()
+        conn.shutdown()
+
+
+def test_slow_headers_cannot_stall_a_scheduling_pass(store: Path) -> None:
+    """Sixty new hand-off requests whose headers are slow: the pass waits a bounded time in
+    all, not 5 ms each."""
+    from flowprefill.kv.connector import STEP_INLINE_WAIT_S
+
+    release = threading.Event()
+    conn = make_connector(store)
+    real_header = conn._transport.header
+
+    def slow(ref: Any) -> Any:
+        release.wait(10)
+        return real_header(ref)
+
+    conn._transport.header = slow
+    try:
+        t0 = time.monotonic()
+        answers = [
+            conn.get_num_new_matched_tokens(
+                request(f"r{i}", [*PROMPT, 7], HandoffRef("h1").to_params()), 0
+            )
+            for i in range(60)
+        ]
+        elapsed = time.monotonic() - t0
+        assert answers == [(None, False)] * 60
+        assert elapsed < STEP_INLINE_WAIT_S + 0.15, elapsed  # 60 x 5 ms would be 300 ms
+    finally:
+        release.set()
+        conn.shutdown()
 
 
 def test_http_transport_unreachable_source_means_recompute(store: Path) -> None:

@@ -161,9 +161,9 @@ def test_pulled_kv_gives_vllms_own_tokens(stack: dict[str, Any], n: int) -> None
     log = stack["log"].read_text()
     assert f"loaded {n} prompt tokens [0, {n}) of hand-off {rid}" in log
     assert f"(pulled from {stack['prefill']})" in log
-    # Clean-up: decode's local copy is gone when the request finished, the prefill's
-    # file after the background DELETE.
-    assert not (stack["cache_dir"] / f"{rid}.kv.safetensors").exists()
+    # Clean-up, a grace period (DELETE_GRACE_S) after the request finished: decode's local
+    # copy, then the prefill's file through the background DELETE.
+    assert wait_gone(stack["cache_dir"] / f"{rid}.kv.safetensors")
     assert wait_gone(stack["prefill_dir"] / f"{rid}.kv.safetensors")
 
 
