@@ -378,6 +378,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
 
     async def stream(job: Job, answer: PrefillAnswer, first_text: str) -> AsyncIterator[str]:
         yield chunk(job, first_text, None, first=True)
+        options = job.body.stream_options
         try:
             async for text, finish in continuation(job, answer):
                 yield chunk(job, text, finish)
@@ -386,9 +387,9 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             m.errors.labels(reason).inc()
             err = {"error": {"message": str(e), "type": "upstream_error", "code": reason}}
             yield f"data: {json.dumps(err)}\n\n"
-        options = job.body.stream_options
-        if options is not None and options.include_usage:
-            yield usage_chunk(job)
+        else:  # as vLLM does: no usage after an error event
+            if options is not None and options.include_usage:
+                yield usage_chunk(job)
         yield "data: [DONE]\n\n"
 
     def usage_chunk(job: Job) -> str:

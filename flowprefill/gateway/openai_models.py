@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -33,6 +33,12 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1, description="Only n=1 is served.")
     slo_class: str | None = Field(None, max_length=128, description="FlowPrefill SLO class.")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     @property
     def output_budget(self) -> int:

@@ -136,6 +136,11 @@ def test_slo_table_reload_changes_classification(
         (json.dumps({"model": "nope", "prompt": "x"}), 404, "does not exist"),
         (json.dumps({"model": "tiny", "prompt": [1] * 9000}), 400, "maximum context"),
         (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 0}), 400, "max_tokens"),
+        (
+            json.dumps({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}),
+            400,
+            "stream_options is only allowed when stream is true",
+        ),
         (json.dumps({"model": "tiny", "prompt": "x" * 300_000}), 413, "larger than"),
     ],
 )

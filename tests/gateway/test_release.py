@@ -181,3 +181,30 @@ def test_a_client_gone_while_decode_has_the_request_leaves_it_to_decode(
         assert rid not in u.deleted
     finally:
         u.decode_delay_s = 0.0
+
+
+def test_a_stream_that_failed_in_decode_ends_with_the_error_not_usage(
+    gateway: tuple[str, Upstreams, Any],
+) -> None:
+    gw, u, _ = gateway
+    u.first_token, u.decode_status = 5, 400
+    try:
+        body = {
+            "model": "tiny",
+            "prompt": [1, 2, 3],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream("POST", f"{gw}/v1/completions", json=body, timeout=30) as r:
+            events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+        assert events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2])
+        assert not any("usage" in json.loads(e) for e in events[:-1])
+        u.decode_status = 200
+        with httpx.stream("POST", f"{gw}/v1/completions", json=body, timeout=30) as r:
+            events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+        last = json.loads(events[-2])
+        assert last["choices"] == [] and last["usage"]["prompt_tokens"] == 3
+    finally:
+        u.decode_status = 200
