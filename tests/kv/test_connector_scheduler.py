@@ -76,6 +76,20 @@ def matched(conn: Any, req: Any, num_computed: int = 0, timeout_s: float = 30) -
         time.sleep(0.002)
 
 
+def hold_headers(conn: Any) -> threading.Event:
+    """Make every header read of ``conn`` wait until the returned event is set (a hung
+    volume, a slow prefill pod)."""
+    release = threading.Event()
+    real_header = conn._transport.header
+
+    def held(ref: Any) -> Any:
+        release.wait(10)
+        return real_header(ref)
+
+    conn._transport.header = held
+    return release
+
+
 def request(req_id: str, ids: list[int], params: dict[str, Any] | None) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=req_id, prompt_token_ids=ids, num_tokens=len(ids), kv_transfer_params=params
@@ -198,15 +212,8 @@ def test_shutdown_deletes_what_is_still_in_its_grace_period(store: Path) -> None
 
 def test_a_header_that_never_comes_means_recompute_after_the_deadline(store: Path) -> None:
     """A hung shared volume has no timeout of its own: the connector gives up."""
-    release = threading.Event()
     conn = make_connector(store, header_deadline_s=0.3)
-    real_header = conn._transport.header
-
-    def hung(ref: Any) -> Any:
-        release.wait(10)
-        return real_header(ref)
-
-    conn._transport.header = hung
+    release = hold_headers(conn)
     req = request("a", [*PROMPT, 7], HandoffRef("h1").to_params())
     t0 = time.monotonic()
     try:
@@ -225,15 +232,8 @@ def test_slow_headers_cannot_stall_a_scheduling_pass(store: Path) -> None:
     all, not 5 ms each."""
     from flowprefill.kv.connector import STEP_INLINE_WAIT_S
 
-    release = threading.Event()
     conn = make_connector(store)
-    real_header = conn._transport.header
-
-    def slow(ref: Any) -> Any:
-        release.wait(10)
-        return real_header(ref)
-
-    conn._transport.header = slow
+    release = hold_headers(conn)
     try:
         t0 = time.monotonic()
         answers = [
@@ -309,15 +309,8 @@ def test_a_stalled_source_does_not_hold_the_scheduler(store: Path) -> None:
 def test_a_request_gone_before_its_header_reports_recomputed(store: Path) -> None:
     """An abort while the header is still being read: nothing was loaded, and the result
     says so instead of claiming a load of 0 tokens."""
-    release = threading.Event()
     conn = make_connector(store)
-    real_header = conn._transport.header
-
-    def slow_header(ref: Any) -> Any:
-        release.wait(10)
-        return real_header(ref)
-
-    conn._transport.header = slow_header
+    release = hold_headers(conn)
     req = request("a", [*PROMPT, 7], HandoffRef("h1").to_params())
     assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
     _, out = conn.request_finished(req, [])
