@@ -70,11 +70,8 @@ FlowPrefill's own prefill engine, not a vLLM instance.
 
 from __future__ import annotations
 
-import heapq
 import logging
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -88,6 +85,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from flowprefill.kv.cleanup import DelayedCleanup
 from flowprefill.kv.errors import KVHandoffError, KVMismatchError
 from flowprefill.kv.format import KVHeader, ModelFingerprint, check_prompt
 from flowprefill.kv.paged import head_range, slot_mapping, to_token_major
@@ -195,7 +193,7 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         self._header_pool: ThreadPoolExecutor | None = None  # scheduler side, made on use
         self._header_deadline_s = float(extra.get("header_deadline_s", HEADER_DEADLINE_S))
         self._inline_left_s = STEP_INLINE_WAIT_S  # scheduler side, reset every step
-        self._cleanup = _DelayedCleanup()  # scheduler side
+        self._cleanup = DelayedCleanup()  # scheduler side
         self._to_load: dict[str, _Tracked] = {}  # scheduler side, allocated, not yet sent
         self._failed_blocks: set[int] = set()  # worker side
         logger.info(
@@ -446,44 +444,6 @@ class FlowPrefillConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
-
-
-class _DelayedCleanup:
-    """Runs clean-ups a given time after they are queued, on one daemon thread (started on
-    first use), whether or not vLLM schedules anything meanwhile."""
-
-    def __init__(self) -> None:
-        self._due: list[tuple[float, int, Callable[[HandoffRef], None], HandoffRef]] = []
-        self._seq = 0
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def after(self, delay_s: float, fn: Callable[[HandoffRef], None], ref: HandoffRef) -> None:
-        with self._cv:
-            self._seq += 1
-            heapq.heappush(self._due, (time.monotonic() + delay_s, self._seq, fn, ref))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kv-cleanup", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-
-    def run_all_now(self) -> None:
-        with self._cv:
-            due, self._due = self._due, []
-        for _, _, fn, ref in sorted(due):
-            fn(ref)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._due or self._due[0][0] > time.monotonic():
-                    timeout = self._due[0][0] - time.monotonic() if self._due else None
-                    self._cv.wait(timeout)
-                _, _, fn, ref = heapq.heappop(self._due)
-            try:  # outside the lock: a slow unlink must not block request_finished
-                fn(ref)
-            except Exception:  # the thread serves every later clean-up: keep it alive
-                logger.exception("clean-up of hand-off %s failed", ref.handoff_id)
 
 
 def _attention_layers(forward_context: ForwardContext) -> dict[int, Any]:
