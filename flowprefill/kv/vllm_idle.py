@@ -16,13 +16,15 @@ before looking at the queue again. The slice is not optional: vLLM's writer publ
 messages follow each other within a fraction of a millisecond (the engine sends
 ``execute_model`` and ``sample_tokens`` back to back every decode step) the second
 notification can be dropped. vLLM's 1 s spin hides that; a reader that sleeps instead
-would wait out vLLM's 5 s recheck interval, once per decode step (measured here: 8 tokens
-took 20-35 s instead of 0.1 s). With the slice a dropped notification costs at most
+would wait out vLLM's 5 s recheck interval, once per decode step (the first version of
+this cap did: each test of tests/kv/test_http_vllm.py took 50-70 s at commit 96841b1, under
+2 s now). With the slice a dropped notification costs at most
 ``POLL_SLICE_MS``, and an idle reader wakes ``1000 / POLL_SLICE_MS`` times a second,
 microseconds each, instead of spinning on a core. ``flowprefill up`` sets the cap to
 ``CPU_IDLE_SPIN_S`` for its decode instances: 5 ms of spin still catches the second message
-of a pair without a sleep (32-token decode as fast as vLLM's default here), where a cap of 0
-leaves every step to the slice (about 1.7x the time per token).
+of a pair without a sleep, where a cap of 0 leaves every step to the slice
+(``python benchmarks/vllm_idle_spin.py``: 32-token decode 0.81x vLLM's default time at
+5 ms, 1.75x at 0).
 """
 
 from __future__ import annotations

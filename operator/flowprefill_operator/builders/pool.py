@@ -32,7 +32,7 @@ ENGINE_CONFIG_PATH = "/etc/flowprefill/engine.json"
 # vLLM (flowprefill.kv.vllm_idle); spelled out so the operator imports neither.
 ADVERTISE_URL_ENV = "FLOWPREFILL_KV_ADVERTISE_URL"
 IDLE_SPIN_ENV = "FLOWPREFILL_VLLM_IDLE_SPIN_S"
-CPU_IDLE_SPIN_S = "0.005"  # vllm_idle.CPU_IDLE_SPIN_S; 0 would cost decode ~1.7x per token
+CPU_IDLE_SPIN_S = "0.005"  # = vllm_idle.CPU_IDLE_SPIN_S (0: decode 1.75x slower, docs/kv.md)
 PROFILE_DIR = "/etc/flowprefill/profile"
 KV_TRANSFER_CONFIG = {
     "kv_connector": "FlowPrefillConnector",
