@@ -20,6 +20,30 @@ def free_port() -> int:
 
 
 @contextmanager
+def silent_server() -> Iterator[str]:
+    """A peer that accepts connections and never answers (a hung prefill pod); its URL."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                held.append(listener.accept()[0])
+        except OSError:  # closed
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+
+
+@contextmanager
 def serve_in_thread(app: Any, **kwargs: Any) -> Iterator[str]:
     """Run an ASGI app under a real uvicorn server on loopback; yields its base URL."""
     port = free_port()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from flowprefill.kv import HandoffRef, ModelFingerprint, SharedDirTransport, build_handoff
+from tests.helpers import silent_server
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -268,35 +269,18 @@ def test_a_stalled_source_does_not_hold_the_scheduler(store: Path) -> None:
     """A prefill pod that accepts the connection and never answers: the scheduler gets
     "not known yet" at once, every step, until the header timeout turns it into a
     recompute."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        try:
-            while True:
-                held.append(listener.accept()[0])
-        except OSError:
-            pass
-
-    threading.Thread(target=accept, daemon=True).start()
     conn = make_connector(
         store, transport="http", cache_dir=str(store / "cache"), header_timeout_s=0.5
     )
-    ref = HandoffRef("h1", len(PROMPT), source=f"http://127.0.0.1:{listener.getsockname()[1]}")
-    req = request("a", [*PROMPT, 7], ref.to_params())
-    try:
+    with silent_server() as url:
+        ref = HandoffRef("h1", len(PROMPT), source=url)
+        req = request("a", [*PROMPT, 7], ref.to_params())
         t0 = time.monotonic()
         answers = []
         while (answer := conn.get_num_new_matched_tokens(req, 0)) == (None, False):
             answers.append(time.monotonic())
             time.sleep(0.01)
         elapsed = time.monotonic() - t0
-    finally:
-        listener.close()
-        for c in held:
-            c.close()
     assert answer == (0, False)
     assert answers and answers[0] - t0 < 0.1  # the first step was not held
     assert 0.45 < elapsed < 5, elapsed

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -30,7 +29,7 @@ from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.server.kv_sink import directory_sink
 from flowprefill.server.prefill import create_app
 from flowprefill.up import decode_command, decode_env
-from tests.helpers import free_port, serve_in_thread
+from tests.helpers import free_port, serve_in_thread, silent_server
 
 pytestmark = [
     pytest.mark.slow,
@@ -213,25 +212,12 @@ def test_stalled_source_costs_the_timeout_not_a_hang(stack: dict[str, Any]) -> N
     """A prefill pod that accepts but never answers: the header check gives up after
     header_timeout_s (1 s default) and the prompt is recomputed — and meanwhile vLLM goes on
     serving other requests (the check runs off the scheduler thread)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(4)
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        try:
-            while True:
-                held.append(sock.accept()[0])
-        except OSError:
-            pass
-
-    threading.Thread(target=accept, daemon=True).start()
     done: dict[str, float] = {}
     stalled_out: dict[str, Any] = {}
-    try:
+    with silent_server() as url:
         ids = prompt(30, 17)
         first, params = do_prefill(stack, "stalled", ids)
-        params["flowprefill"]["source"] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        params["flowprefill"]["source"] = url
 
         def stalled() -> None:
             stalled_out.update(complete(stack, [*ids, first], MAX_TOKENS - 1, params))
@@ -245,10 +231,6 @@ def test_stalled_source_costs_the_timeout_not_a_hang(stack: dict[str, Any]) -> N
         done["other"] = time.monotonic()
         worker.join(60)
         assert not worker.is_alive()
-    finally:
-        sock.close()
-        for conn in held:
-            conn.close()
     result = stalled_out["kv_transfer_params"]["flowprefill"]
     assert result["status"] == "recomputed" and "no response within 1 s" in result["reason"]
     assert 0.9 < done["stalled"] - t0 < 30, done["stalled"] - t0
