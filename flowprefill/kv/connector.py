@@ -358,7 +358,7 @@ class FlowPrefillConnector(KVConnectorBase_V1):
                 self._transport.delete(ref)
             else:
                 self._transport.discard(ref)
-        except OSError as exc:  # clean-up must never fail a request
+        except Exception as exc:  # clean-up must never fail a request, nor shutdown
             logger.warning("clean-up of hand-off %s failed: %s", ref.handoff_id, exc)
 
     def shutdown(self) -> None:
