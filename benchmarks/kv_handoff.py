@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from flowprefill.kv import HandoffRef, ModelFingerprint, SharedDirTransport, build_handoff
+from flowprefill.contracts.kv import HandoffRef
+from flowprefill.kv import ModelFingerprint, SharedDirTransport, build_handoff
 from flowprefill.kv.format import DTYPES
 from flowprefill.kv.paged import to_token_major
 
@@ -87,7 +88,8 @@ def vllm_ttft(lengths: list[int], work: Path, repeats: int) -> list[dict[str, An
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from flowprefill.kv import kv_transfer_config, reference_prefill
+    from flowprefill.contracts.kv import kv_transfer_config
+    from flowprefill.kv import reference_prefill
     from flowprefill.models import build_named, save_model_dir
 
     model = build_named("demo-llama", dtype=torch.bfloat16)

@@ -118,7 +118,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from flowprefill.backend import build_executor, quick_profile
-    from flowprefill.config import EngineConfig
+    from flowprefill.contracts import EngineConfig
     from flowprefill.models import resolve_model_path
     from flowprefill.up import (
         SCALE_AT_TOKENS,

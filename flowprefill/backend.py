@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 from transformers import PreTrainedModel
 
-from flowprefill.config import EngineConfig
+from flowprefill.contracts import EngineConfig
 from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.predictor.profile import ProfileReport, profile

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.table import Table
 
-from flowprefill.config import EngineConfig
+from flowprefill.contracts import EngineConfig
 from flowprefill.engine import PrefillEngine, PrefillResult
 from flowprefill.predictor.model import TTFTPredictor
 

@@ -30,8 +30,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from flowprefill.config import EngineConfig
-from flowprefill.contracts import Endpoint, GatewayConfig, SLOTable, SLOTableClass
+from flowprefill.contracts import Endpoint, EngineConfig, GatewayConfig, SLOTable, SLOTableClass
 from flowprefill.errors import FlowPrefillError
 from flowprefill.scheduler.batching import BATCHING
 from flowprefill.scheduler.policies import POLICIES
@@ -186,7 +185,7 @@ def decode_command(
 
     ``kv_dir``: the shared hand-off directory (``shared_dir``), or this instance's own
     cache of hand-offs pulled from prefill (``http``)."""
-    from flowprefill.kv import kv_transfer_config
+    from flowprefill.contracts.kv import kv_transfer_config
 
     kv_config = kv_transfer_config(str(kv_dir), transport=transport)
     return vllm_server_command(

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from flowprefill.backend import build_executor
-from flowprefill.config import EngineConfig
+from flowprefill.contracts import EngineConfig
 from flowprefill.executor.kernels import KERNELS_ENV
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from flowprefill.cli import main
-from flowprefill.config import EngineConfig
+from flowprefill.contracts import EngineConfig
 from flowprefill.predictor.model import TTFTPredictor
 from tests.helpers import free_port
 

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from flowprefill.kv.params import HandoffRef
+from flowprefill.contracts.kv import HandoffRef
 
 logger = logging.getLogger("vllm.flowprefill.kv.cleanup")
 

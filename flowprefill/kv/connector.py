@@ -85,11 +85,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from flowprefill.contracts.kv import HandoffRef, result_params
+from flowprefill.errors import KVHandoffError, KVMismatchError
 from flowprefill.kv.cleanup import DelayedCleanup
-from flowprefill.kv.errors import KVHandoffError, KVMismatchError
 from flowprefill.kv.format import KVHeader, ModelFingerprint, check_prompt
 from flowprefill.kv.paged import head_range, slot_mapping, to_token_major
-from flowprefill.kv.params import HandoffRef, num_tokens_to_load, result_params
+from flowprefill.kv.params import num_tokens_to_load
 from flowprefill.kv.transport import default_storage_path, make_transport
 from flowprefill.kv.vllm_idle import cap_idle_spin
 

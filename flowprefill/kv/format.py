@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from flowprefill.kv.errors import KVFormatError, KVMismatchError, KVNotFoundError
+from flowprefill.errors import KVFormatError, KVMismatchError, KVNotFoundError
 
 FORMAT_NAME = "flowprefill-kv"
 FORMAT_VERSION = 1

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flowprefill.kv.errors import KVMismatchError
+from flowprefill.errors import KVMismatchError
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:

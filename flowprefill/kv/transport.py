@@ -23,17 +23,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Union
+from typing import Protocol
 
 import httpx
 
-from flowprefill.kv.errors import KVFormatError, KVHandoffError, KVNotFoundError
+from flowprefill.contracts.deployment import KV_HTTP_PATH, default_kv_cache_dir, default_kv_dir
+from flowprefill.contracts.kv import HandoffRef, check_handoff_id
+from flowprefill.errors import KVFormatError, KVHandoffError, KVNotFoundError
 from flowprefill.kv.format import (
     KVHandoff,
     KVHeader,
@@ -44,32 +45,16 @@ from flowprefill.kv.format import (
     write_handoff,
 )
 
-if TYPE_CHECKING:
-    from flowprefill.kv.params import HandoffRef
-
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-SUFFIX = ".kv.safetensors"
-KV_DIR_ENV = "FLOWPREFILL_KV_DIR"
-DEFAULT_KV_DIR = "/tmp/flowprefill-kv"
-
 
 def default_storage_path() -> str:
     """``$FLOWPREFILL_KV_DIR`` or /tmp/flowprefill-kv: what producer and consumer share when
     neither is configured explicitly (one machine, or one volume mounted at that path)."""
-    return os.environ.get(KV_DIR_ENV) or DEFAULT_KV_DIR
+    return default_kv_dir()
 
 
-def check_handoff_id(handoff_id: str) -> str:
-    """Ids become file names: allow only a safe alphabet (no path traversal, no dot-files)."""
-    if not isinstance(handoff_id, str) or not _ID_RE.match(handoff_id) or ".." in handoff_id:
-        raise KVHandoffError(
-            f"invalid hand-off id {handoff_id!r}: use 1-128 of [A-Za-z0-9_.-], not starting "
-            "with '.' or '-' and without '..'"
-        )
-    return handoff_id
+SUFFIX = ".kv.safetensors"
 
-
-HandoffKey = Union[str, "HandoffRef"]
+HandoffKey = str | HandoffRef
 """A hand-off by id (enough for a shared directory) or by reference (id + ``source``)."""
 
 
@@ -158,10 +143,6 @@ class SharedDirTransport:
         return removed
 
 
-KV_CACHE_DIR_ENV = "FLOWPREFILL_KV_CACHE_DIR"
-DEFAULT_KV_CACHE_DIR = "/tmp/flowprefill-kv-cache"
-KV_HTTP_PATH = "/v1/kv/"
-"""Where a prefill instance serves its hand-offs: ``GET|DELETE <source>/v1/kv/<id>``."""
 HEADER_PROBE_BYTES = 64 * 1024
 """First range request of a header fetch: a hand-off's safetensors header is ~0.1 KiB per
 layer plus ~0.5 KiB of metadata, so one round trip covers any model up to ~500 layers."""
@@ -170,7 +151,7 @@ layer plus ~0.5 KiB of metadata, so one round trip covers any model up to ~500 l
 def default_cache_path() -> str:
     """``$FLOWPREFILL_KV_CACHE_DIR`` or /tmp/flowprefill-kv-cache: the decode side's
     local copies of pulled hand-offs."""
-    return os.environ.get(KV_CACHE_DIR_ENV) or DEFAULT_KV_CACHE_DIR
+    return default_kv_cache_dir()
 
 
 class HTTPPullTransport:

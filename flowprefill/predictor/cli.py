@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flowprefill.backend import build_executor, profile_executor
-    from flowprefill.config import EngineConfig
+    from flowprefill.contracts import EngineConfig
 
     console = Console()
     config = EngineConfig(

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from flowprefill.backend import build_executor, load_engine_model, quick_profile
-    from flowprefill.config import EngineConfig
+    from flowprefill.contracts import EngineConfig
     from flowprefill.engine import PrefillEngine
     from flowprefill.predictor.model import TTFTPredictor
     from flowprefill.server.errors import BodySizeLimit

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flowprefill.kv import HandoffRef, ModelFingerprint, SharedDirTransport, build_handoff
-from flowprefill.kv.params import check_source_url
+from flowprefill.contracts.kv import HandoffRef, check_source_url
+from flowprefill.kv import ModelFingerprint, SharedDirTransport, build_handoff
 
 KVSink = Callable[[str, Sequence[int], Any], dict[str, Any] | None]
 """(request id, prompt token ids, prefill output) → decode-side parameters."""

@@ -44,8 +44,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowprefill.engine import PrefillEngine, PrefillResult
-from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
-from flowprefill.kv import KVHandoffError, SharedDirTransport
+from flowprefill.errors import (
+    EngineClosedError,
+    InvalidRequestError,
+    KVHandoffError,
+    TaskCancelledError,
+)
+from flowprefill.kv import SharedDirTransport
 from flowprefill.server.errors import error_response, install_error_handlers
 from flowprefill.server.kv_sink import KVSink
 

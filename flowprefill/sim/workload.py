@@ -28,15 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flowprefill.contracts.slo import PAPER_TTFT_SLOS_S
 from flowprefill.errors import InvalidRequestError, UnknownNameError
 from flowprefill.request import Request
 
-# Table 2: TTFT SLOs (seconds) per model and task type.
-SLO_TABLES: dict[str, dict[str, float]] = {
-    "llama3-8b": {"text": 0.25, "image": 0.5, "search": 4.0, "file": 6.0},
-    "qwen2.5-14b": {"text": 0.4, "image": 0.8, "search": 6.5, "file": 9.0},
-    "llama3-70b": {"text": 1.0, "image": 2.0, "search": 15.0, "file": 18.0},
-}
+SLO_TABLES = PAPER_TTFT_SLOS_S  # Table 2, owned by the contracts
 
 
 @dataclass(frozen=True, slots=True)

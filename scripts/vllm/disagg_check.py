@@ -74,7 +74,7 @@ def decode(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from flowprefill.kv import HandoffRef, kv_transfer_config
+    from flowprefill.contracts.kv import HandoffRef, kv_transfer_config
 
     t0 = time.perf_counter()
     llm = LLM(

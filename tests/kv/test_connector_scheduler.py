@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from flowprefill.kv import HandoffRef, ModelFingerprint, SharedDirTransport, build_handoff
+from flowprefill.contracts.kv import HandoffRef
+from flowprefill.kv import ModelFingerprint, SharedDirTransport, build_handoff
 from tests.helpers import silent_server
 
 pytestmark = pytest.mark.skipif(

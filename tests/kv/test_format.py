@@ -8,12 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowprefill.contracts.kv import HandoffRef, result_params
+from flowprefill.errors import KVFormatError, KVHandoffError, KVMismatchError, KVNotFoundError
 from flowprefill.kv import (
-    HandoffRef,
-    KVFormatError,
-    KVHandoffError,
-    KVMismatchError,
-    KVNotFoundError,
     KVReader,
     ModelFingerprint,
     SharedDirTransport,
@@ -24,7 +21,6 @@ from flowprefill.kv import (
     num_tokens_to_load,
     read_handoff,
     read_header,
-    result_params,
     write_handoff,
 )
 from flowprefill.kv.format import KVHandoff

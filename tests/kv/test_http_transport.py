@@ -20,19 +20,15 @@ import httpx
 import pytest
 import torch
 
+from flowprefill.contracts.kv import HandoffRef, check_source_url, kv_transfer_config
 from flowprefill.engine import PrefillEngine
+from flowprefill.errors import KVFormatError, KVHandoffError, KVNotFoundError
 from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.kv import (
-    HandoffRef,
     HTTPPullTransport,
-    KVFormatError,
-    KVHandoffError,
-    KVNotFoundError,
     SharedDirTransport,
-    kv_transfer_config,
     make_transport,
 )
-from flowprefill.kv.params import check_source_url
 from flowprefill.models import build_named
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.server.kv_sink import ADVERTISE_URL_ENV, advertise_url, directory_sink

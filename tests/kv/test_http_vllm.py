@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
+from flowprefill.contracts.kv import HandoffRef
 from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
-from flowprefill.kv import HandoffRef
 from flowprefill.models import load_model
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.server.kv_sink import directory_sink

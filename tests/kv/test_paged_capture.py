@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowprefill.kv import KVMismatchError, ModelFingerprint, layers_from_cache, reference_prefill
+from flowprefill.errors import KVMismatchError
+from flowprefill.kv import ModelFingerprint, layers_from_cache, reference_prefill
 from flowprefill.kv.paged import head_range, slot_mapping, to_token_major
 
 

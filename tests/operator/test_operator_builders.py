@@ -118,7 +118,7 @@ def test_prefill_command_config_and_probes() -> None:
 
 
 def test_engine_json_is_what_the_engine_reads() -> None:
-    config = pytest.importorskip("flowprefill.config")
+    config = pytest.importorskip("flowprefill.contracts")
     config.EngineConfig.model_validate(build_engine_config(PREFILL).model_dump())
 
 
@@ -217,7 +217,7 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
 
 
 def test_http_kv_handoff_matches_what_the_connector_and_server_read() -> None:
-    from flowprefill.kv import kv_transfer_config as connector_config
+    from flowprefill.contracts.kv import kv_transfer_config as connector_config
     from flowprefill.server.kv_sink import ADVERTISE_URL_ENV
 
     d = DECODE.model_validate({**DECODE.wire(), "kvHandoff": {"transport": "http"}})

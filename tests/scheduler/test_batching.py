@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from flowprefill.config import EngineConfig
+from flowprefill.contracts import EngineConfig
 from flowprefill.engine import PrefillEngine
 from flowprefill.errors import UnknownNameError
 from flowprefill.request import Request

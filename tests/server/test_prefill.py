@@ -118,7 +118,8 @@ def test_client_disconnect_cancels_the_request(server: tuple[str, PrefillEngine]
 
 
 def test_kv_hand_off_is_written_for_decode(executor: PreemptibleExecutor, tmp_path: Path) -> None:
-    from flowprefill.kv import HandoffRef, SharedDirTransport
+    from flowprefill.contracts.kv import HandoffRef
+    from flowprefill.kv import SharedDirTransport
     from flowprefill.server.kv_sink import directory_sink
 
     engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
@@ -147,7 +148,8 @@ def _events(text: str) -> list[Any]:
 def test_streamed_answer_sends_the_first_token_before_the_kv_hand_off(
     executor: PreemptibleExecutor, tmp_path: Path
 ) -> None:
-    from flowprefill.kv import HandoffRef, SharedDirTransport
+    from flowprefill.contracts.kv import HandoffRef
+    from flowprefill.kv import SharedDirTransport
     from flowprefill.server.kv_sink import directory_sink
 
     engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))

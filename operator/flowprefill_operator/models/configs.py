@@ -9,8 +9,14 @@ table when the file changes). Documented in docs/operator.md.
 
 from __future__ import annotations
 
-from flowprefill.config import EngineConfig
-from flowprefill.contracts import Endpoint, GatewayConfig, SLOTable, SLOTableClass, SLOTableMatch
+from flowprefill.contracts import (
+    Endpoint,
+    EngineConfig,
+    GatewayConfig,
+    SLOTable,
+    SLOTableClass,
+    SLOTableMatch,
+)
 
 __all__ = [
     "Endpoint",

@@ -1,0 +1,76 @@
+"""Ports, paths, readiness endpoints and environment variables shared between processes.
+
+Every ``FLOWPREFILL_*`` variable any process reads is named here, with what reads it;
+the code that reads one imports its name from here and nowhere spells it again.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+# ------------------------------------------------------------------ ports and paths
+
+GATEWAY_PORT: Final = 8000
+PREFILL_PORT: Final = 8100
+DECODE_PORT: Final = 8200
+
+HEALTH_PATH: Final = "/health"
+"""Liveness of every process (vLLM's /health too)."""
+READY_PATH: Final = "/ready"
+"""Readiness of the gateway and prefill (503 while draining or with no upstream)."""
+DECODE_READY_PATH: Final = "/health"
+"""vLLM has no separate readiness endpoint: /health answers once the engine is up."""
+METRICS_PATH: Final = "/metrics"
+PREFILL_API_PATH: Final = "/v1/prefill"
+KV_HTTP_PATH: Final = "/v1/kv/"
+"""Where a prefill instance serves its hand-offs: ``GET|DELETE <source>/v1/kv/<id>``."""
+
+# Files in a pod (the operator mounts ConfigMaps there).
+CONFIG_DIR: Final = "/etc/flowprefill"
+ENGINE_CONFIG_PATH: Final = f"{CONFIG_DIR}/engine.json"
+GATEWAY_CONFIG_PATH: Final = f"{CONFIG_DIR}/gateway.json"
+SLO_DIR: Final = f"{CONFIG_DIR}/slo"
+SLO_TABLE_FILE: Final = "slo-table.json"
+PROFILE_DIR: Final = f"{CONFIG_DIR}/profile"
+
+# ------------------------------------------------------------- environment variables
+
+KV_DIR_ENV: Final = "FLOWPREFILL_KV_DIR"
+"""Prefill and decode: the shared hand-off directory when no config names one."""
+DEFAULT_KV_DIR: Final = "/tmp/flowprefill-kv"
+KV_CACHE_DIR_ENV: Final = "FLOWPREFILL_KV_CACHE_DIR"
+"""Decode (http transport): local copies of pulled hand-offs when no config names one."""
+DEFAULT_KV_CACHE_DIR: Final = "/tmp/flowprefill-kv-cache"
+KV_ADVERTISE_URL_ENV: Final = "FLOWPREFILL_KV_ADVERTISE_URL"
+"""Prefill (http transport): the base URL decode pulls from (in a pod: the pod IP)."""
+KERNELS_ENV: Final = "FLOWPREFILL_KERNELS"
+"""Prefill: executor kernels when engine.json names none (``fast`` | ``reference``)."""
+MODEL_CACHE_ENV: Final = "FLOWPREFILL_MODEL_CACHE"
+"""Where built-in tiny models are materialised (default ~/.cache/flowprefill/models)."""
+VLLM_IDLE_SPIN_ENV: Final = "FLOWPREFILL_VLLM_IDLE_SPIN_S"
+"""Decode (vLLM with our connector): cap of vLLM's idle busy-wait, seconds; unset = vLLM's."""
+CPU_VLLM_IDLE_SPIN_S: Final = "0.005"
+"""The cap for decode on CPU hosts shared with prefill (docs/kv.md: 0 makes decode 1.75x
+slower, 5 ms is no slower than vLLM's default)."""
+OPERATOR_ENV_PREFIX: Final = "FLOWPREFILL_OPERATOR_"
+"""The operator's settings (flowprefill_operator.settings)."""
+
+POD_IP_ENV: Final = "POD_IP"
+
+OFFLINE_ENV: Final = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+"""Nothing downloads at run time: models and tokenizers come from local directories."""
+
+
+def env_or(name: str, default: str) -> str:
+    """``$name`` when set and not blank, else ``default``."""
+    value = os.environ.get(name, "").strip()
+    return value or default
+
+
+def default_kv_dir() -> str:
+    return env_or(KV_DIR_ENV, DEFAULT_KV_DIR)
+
+
+def default_kv_cache_dir() -> str:
+    return env_or(KV_CACHE_DIR_ENV, DEFAULT_KV_CACHE_DIR)

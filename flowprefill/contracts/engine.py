@@ -1,0 +1,137 @@
+"""Settings of one prefill instance: ``engine.json``, read by ``flowprefill serve-prefill``.
+
+The operator writes it into a ConfigMap, ``flowprefill up`` into its run folder; the
+server's command-line flags only override fields of it. A config the engine cannot run
+is refused here, when the model is validated, so the operator refuses it before any pod
+starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from flowprefill.contracts.deployment import KERNELS_ENV, default_kv_dir, env_or
+from flowprefill.contracts.names import (
+    Batching,
+    BatchingName,
+    DType,
+    DTypeName,
+    Granularity,
+    GranularityName,
+    Kernels,
+    KernelsName,
+    KVTransport,
+    KVTransportName,
+    Policy,
+    PolicyName,
+)
+from flowprefill.errors import InvalidRequestError
+
+MAX_TP_SIZE = 1
+"""Largest tensor-parallel degree the engine serves (TP serving is not wired in yet)."""
+
+
+class KVHandoffSettings(BaseModel):
+    """Where a prefill instance writes KV hand-offs for decode (docs/kv.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    transport: KVTransportName = Field(
+        KVTransport.SHARED_DIR,
+        description="shared_dir: decode reads `dir` (a shared volume); http: this instance "
+        "serves hand-offs at /v1/kv/<id> and decode pulls them.",
+    )
+    dir: str | None = Field(
+        None, description="Hand-off directory (null: $FLOWPREFILL_KV_DIR or /tmp/flowprefill-kv)."
+    )
+    advertise_url: str | None = Field(
+        None,
+        description="Base URL decode pulls from (http transport; null: "
+        "$FLOWPREFILL_KV_ADVERTISE_URL, else derived from the listen address).",
+    )
+    max_age_s: float = Field(
+        600.0, gt=0, description="Hand-offs no decode consumed are swept after this long."
+    )
+
+    @property
+    def resolved_dir(self) -> str:
+        return self.dir or default_kv_dir()
+
+
+class EngineConfig(BaseModel):
+    """``engine.json``. Names parse leniently (see :mod:`flowprefill.contracts.names`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(
+        "tiny-llama",
+        description="A local Hugging Face model directory, or a built-in tiny model name "
+        "(tiny-llama, tiny-qwen2, tiny-qwen3-moe, demo-llama).",
+    )
+    granularity: GranularityName = Field(
+        Granularity.OPERATOR, description="Where running prefills can be preempted."
+    )
+    chunk_size: int | None = Field(
+        None,
+        ge=16,
+        description="Split prompts into chunks of this many tokens (None: no chunking).",
+    )
+    policy: PolicyName = Field(
+        Policy.S_EDF, description=f"Priority policy: {', '.join(Policy.values())}."
+    )
+    batching: BatchingName = Field(
+        Batching.SLO_AWARE, description=f"Batching policy: {', '.join(Batching.values())}."
+    )
+    batch_token_budget: int = Field(4096, ge=1, description="Most tokens in one batched prefill.")
+    predictor_path: str | None = Field(
+        None,
+        description="TTFT profile JSON written by `flowprefill profile`; profiled at start "
+        "when absent.",
+    )
+    device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0.")
+    dtype: DTypeName = Field(DType.FLOAT32, description="Weights and activations dtype.")
+    kernels: KernelsName | None = Field(
+        None,
+        description="Executor kernels: fast (oneDNN linears on prepacked float32 CPU weights) "
+        f"or reference (the model's own modules); None: ${KERNELS_ENV}, else fast.",
+    )
+    tp_size: int = Field(
+        1,
+        ge=1,
+        description=f"Tensor-parallel degree (at most {MAX_TP_SIZE} until tensor-parallel "
+        "serving lands).",
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (None: torch's default)."
+    )
+    kv: KVHandoffSettings | None = Field(
+        None, description="KV hand-off to decode; null: none (decode recomputes the prompt)."
+    )
+
+    @field_validator("tp_size")
+    @classmethod
+    def _servable_tp(cls, value: int) -> int:
+        if value > MAX_TP_SIZE:
+            raise ValueError(
+                f"tp_size={value}: tensor-parallel serving is not supported yet; the engine "
+                f"runs at most tp_size={MAX_TP_SIZE} (docs/executor.md)"
+            )
+        return value
+
+    def resolved_kernels(self) -> Kernels:
+        """``kernels``, else ``$FLOWPREFILL_KERNELS``, else fast (read here, once)."""
+        if self.kernels is not None:
+            return self.kernels
+        return Kernels.parse(env_or(KERNELS_ENV, Kernels.FAST.value))
+
+    @classmethod
+    def load(cls, path: str | Path) -> EngineConfig:
+        p = Path(path)
+        try:
+            return cls.model_validate_json(p.read_text())
+        except FileNotFoundError:
+            raise InvalidRequestError(f"engine config {p} does not exist") from None
+        except ValidationError as e:
+            raise InvalidRequestError(f"engine config {p}: {e}") from None

@@ -1,0 +1,83 @@
+"""The prefill instance's HTTP API (``POST /v1/prefill``), as the gateway and the server
+both speak it.
+
+The deadline travels as the class's SLO and the time the request already spent since
+the gateway received it; the prefill instance rebuilds ``arrival_s = now - elapsed_s``
+on its own clock, so ``deadline_s = arrival_s + ttft_slo_s`` and ``met_slo`` mean the
+same thing in the gateway and in the engine (no clocks are compared across machines;
+the request's network time to the prefill instance is the only part not counted).
+
+With ``"stream": true`` the answer is server-sent events: a :class:`PrefillResponse`
+as soon as the first token exists, then a :class:`KVHandoffEvent` once the hand-off is
+written (``kv_transfer_params`` null if writing failed: decode recomputes), then
+``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from flowprefill.contracts.kv import HandoffRef
+
+
+class PrefillRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1, max_length=256, description="Unique per request.")
+    prompt_token_ids: list[int] = Field(description="The tokenized prompt.")
+    ttft_slo_s: float = Field(gt=0, description="The request's SLO class's TTFT target.")
+    elapsed_s: float = Field(
+        0.0,
+        ge=0,
+        description="Time since the gateway received the request (its arrival); the "
+        "deadline is arrival + ttft_slo_s.",
+    )
+    slo_class: str = Field("default", max_length=128, description="SLO class name (metrics).")
+    hand_off_kv: bool = Field(True, description="Write the KV hand-off for decode.")
+    stream: bool = Field(
+        False,
+        description="Answer as server-sent events: the first token at once, the KV hand-off "
+        "parameters when written.",
+    )
+
+    @field_validator("ttft_slo_s", "elapsed_s")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number of seconds")
+        return value
+
+    @property
+    def remaining_s(self) -> float:
+        """Budget left until the deadline when the gateway sent it (may be negative)."""
+        return self.ttft_slo_s - self.elapsed_s
+
+
+class PrefillResponse(BaseModel):
+    request_id: str
+    first_token_id: int
+    num_prompt_tokens: int
+    ttft_s: float = Field(
+        description="Gateway arrival → first token, as the prefill instance measured it."
+    )
+    met_slo: bool = Field(description="ttft_s <= the class's ttft_slo_s.")
+    num_preemptions: int
+    batch_size: int
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="What decode needs to load this request's KV cache."
+    )
+
+    def handoff(self) -> HandoffRef | None:
+        return HandoffRef.from_params(self.kv_transfer_params)
+
+
+class KVHandoffEvent(BaseModel):
+    """Second event of a streamed answer: where decode finds the KV (null: recompute)."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def handoff(self) -> HandoffRef | None:
+        return HandoffRef.from_params(self.kv_transfer_params)
