@@ -4,11 +4,19 @@
 stamps its arrival and deadline and returns a :class:`concurrent.futures.Future` that
 resolves to a :class:`PrefillResult` (first token + KV cache) when the prefill finishes,
 or raises the error that ended it. Everything else happens on the scheduler thread.
+
+Deadline contract (:mod:`flowprefill.contracts.prefill_api`): a request carries its SLO
+class's ``ttft_slo_s`` and the ``elapsed_s`` it already spent since the gateway received
+it. Its ``arrival_s`` is that gateway arrival on this engine's clock (``clock() -
+elapsed_s``), ``deadline_s = arrival_s + ttft_slo_s``, and ``met_slo``, the ``outcome``
+label of ``flowprefill_prefill_requests`` and the TTFT histogram all measure from that
+arrival against the class SLO.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,17 +61,21 @@ class PrefillResult:
     output: Any
     """The backend's per-request output (first token, logits, KV cache)."""
     arrival_s: float
+    """Gateway arrival on the engine's clock (submit time minus ``elapsed_s``)."""
     finish_s: float
     ttft_slo_s: float
+    """The SLO class's TTFT target (not the budget left at submit)."""
     num_preemptions: int
     batch_size: int
 
     @property
     def ttft_s(self) -> float:
+        """Gateway arrival → first token."""
         return self.finish_s - self.arrival_s
 
     @property
     def met_slo(self) -> bool:
+        """The class SLO, judged from the gateway arrival."""
         return self.ttft_s <= self.ttft_slo_s
 
 
@@ -190,16 +202,28 @@ class PrefillEngine:
         prompt_token_ids: Sequence[int],
         *,
         ttft_slo_s: float,
+        elapsed_s: float = 0.0,
         slo_class: str = "default",
         request_id: str | None = None,
     ) -> Future[PrefillResult]:
-        """Queue a prompt whose first token is due ``ttft_slo_s`` from now."""
+        """Queue a prompt of SLO class ``slo_class`` whose class TTFT target is ``ttft_slo_s``.
+
+        ``elapsed_s`` (>= 0) is the time the request already spent since the gateway
+        received it; the request's arrival is ``clock() - elapsed_s`` and its deadline
+        ``arrival + ttft_slo_s``, so the first token is due ``ttft_slo_s - elapsed_s``
+        from now (the remaining budget, possibly negative: such a request is still served).
+        """
         if not self.accepting:
             raise EngineClosedError("the prefill engine is not accepting requests")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not (isinstance(elapsed_s, int | float) and 0 <= elapsed_s < math.inf):
+            raise InvalidRequestError(
+                f"request {rid}: elapsed_s must be a finite number of seconds >= 0, "
+                f"got {elapsed_s!r}"
+            )
         request = Request.create(
             rid,
-            arrival_s=self.clock(),
+            arrival_s=self.clock() - elapsed_s,
             ttft_slo_s=ttft_slo_s,
             prompt_token_ids=list(prompt_token_ids),
             slo_class=slo_class,

@@ -212,3 +212,33 @@ def test_rounds_see_the_running_tasks_progress() -> None:
         assert long_f.result(timeout=10).output == 10
     # The arrival's round ranked the long task with how far it really got (about half).
     assert seen and 0.1 < seen[0] < 0.95
+
+
+def test_met_slo_is_the_class_slo_from_the_gateway_arrival() -> None:
+    """``elapsed_s`` moves the arrival back; the class SLO, not the budget left, is judged.
+
+    ``late`` spent 0.6 s before reaching the engine against a 0.5 s class SLO: from the
+    engine's own arrival it would be met, from the gateway's it is missed. ``early`` spent
+    0.3 s: met, with a TTFT that includes those 0.3 s and the class SLO (not the 0.2 s
+    left) in its result.
+    """
+    from prometheus_client import generate_latest
+
+    clock = time.monotonic
+    with PrefillEngine(SteppedBackend(), PREDICTOR, batching="none", clock=clock) as eng:
+        t0 = clock()
+        late = eng.submit(prompt(1, 100), ttft_slo_s=0.5, elapsed_s=0.6, slo_class="chat")
+        late_res = late.result(timeout=5)
+        early = eng.submit(prompt(2, 100), ttft_slo_s=0.5, elapsed_s=0.3, slo_class="image")
+        early_res = early.result(timeout=5)
+        with pytest.raises(InvalidRequestError, match="elapsed_s"):
+            eng.submit(prompt(3, 10), ttft_slo_s=0.5, elapsed_s=-0.1)
+    assert late_res.arrival_s <= t0 - 0.6 + 0.05
+    assert late_res.ttft_slo_s == 0.5 and late_res.ttft_s >= 0.6
+    assert not late_res.met_slo
+    assert early_res.ttft_slo_s == 0.5 and 0.3 <= early_res.ttft_s < 0.5
+    assert early_res.met_slo
+    text = generate_latest(eng.metrics.registry).decode()
+    assert 'flowprefill_prefill_requests_total{outcome="missed",slo_class="chat"} 1.0' in text
+    assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="image"} 1.0' in text
+    assert 'flowprefill_prefill_ttft_seconds_bucket{le="0.5",slo_class="chat"} 0.0' in text
