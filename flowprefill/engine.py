@@ -19,20 +19,26 @@ import itertools
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
-from flowprefill.executor.pool import ExecutionPool, PreemptOutcome
+from flowprefill.executor.pool import ExecutionPool
 from flowprefill.executor.preemption import TaskControl
 from flowprefill.metrics import EngineMetrics
 from flowprefill.request import Request, RequestState, Task
 from flowprefill.scheduler.batching import get_batching
-from flowprefill.scheduler.core import Scheduler, SchedulerOutput
-from flowprefill.scheduler.loop import Arrival, Cancel, Completion, SchedulerLoop
+from flowprefill.scheduler.core import CommandKind, Scheduler
+from flowprefill.scheduler.loop import SchedulerLoop
 from flowprefill.scheduler.policies import get_policy
+from flowprefill.scheduler.round import Arrival, Cancel, Cancelled, Completion, RoundOutput
+
+BLOCKING_HISTORY = 10_000
+"""How many recent preemption blocking times ``PrefillEngine.blocking_times_s`` keeps (the
+metrics histogram counts every one); bounded so a long-running server does not grow."""
 
 
 class PrefillBackend(Protocol):
@@ -79,50 +85,6 @@ class PrefillResult:
         return self.ttft_s <= self.ttft_slo_s
 
 
-class _Observer:
-    """Bridges loop callbacks to futures and metrics (runs on the scheduler thread)."""
-
-    def __init__(self, engine: PrefillEngine) -> None:
-        self.engine = engine
-
-    def on_round(self, out: SchedulerOutput, scheduler: Scheduler) -> None:
-        m = self.engine.metrics
-        m.rounds.inc()
-        if out.commands:
-            m.command_rounds.inc()
-        for cmd in out.commands:
-            if cmd.kind == "submit":
-                m.batch_size.observe(len(cmd.task.requests))
-        m.queue_depth.set(scheduler.queue_depth)
-        m.preempted_tasks.set(len(scheduler.preempted))
-
-    def on_preempt(self, task: Task, outcome: Any) -> None:
-        if isinstance(outcome, PreemptOutcome):
-            self.engine.metrics.preemptions.inc()
-            self.engine.metrics.preemption_blocking.observe(outcome.blocking_s)
-            self.engine.blocking_times_s.append(outcome.blocking_s)
-
-    def on_completion(self, event: Completion, now_s: float) -> None:
-        self.engine._complete(event)
-
-    def on_crash(self, error: BaseException) -> None:
-        self.engine._accepting = False
-        for fut in list(self.engine._futures.values()):
-            if not fut.done():
-                fut.set_exception(
-                    RuntimeError(f"prefill scheduler failed: {type(error).__name__}: {error}")
-                )
-        self.engine._futures.clear()
-
-    def on_cancelled(self, request: Request | None, request_id: str) -> None:
-        fut = self.engine._futures.pop(request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(TaskCancelledError(f"request {request_id} was cancelled"))
-            self.engine.metrics.requests.labels(
-                request.slo_class if request else "unknown", "cancelled"
-            ).inc()
-
-
 class PrefillEngine:
     def __init__(
         self,
@@ -145,18 +107,24 @@ class PrefillEngine:
             token_budget=token_budget,
         )
         self.pool: ExecutionPool[Sequence[Any]] = ExecutionPool(self._run_task, self._on_task_done)
-        self.loop = SchedulerLoop(self.scheduler, self.pool, _Observer(self), clock=clock)
-        self.blocking_times_s: list[float] = []
-        self._futures: dict[str, Future[PrefillResult]] = {}
+        self.loop = SchedulerLoop(
+            self.scheduler, self.pool, on_round=self._on_round, on_crash=self._on_crash, clock=clock
+        )
+        self.blocking_times_s: deque[float] = deque(maxlen=BLOCKING_HISTORY)
+        """The most recent preemption blocking times (appended on the scheduler thread)."""
         self._ids = itertools.count()
+        # Guards _futures and _accepting: submit, cancel and close run on callers'
+        # threads, round outputs and crashes arrive on the scheduler thread.
         self._lock = threading.Lock()
+        self._futures: dict[str, Future[PrefillResult]] = {}
         self._accepting = False
 
     # -------------------------------------------------------------- lifecycle
 
     def start(self) -> PrefillEngine:
         self.loop.start()
-        self._accepting = True
+        with self._lock:
+            self._accepting = True
         return self
 
     def __enter__(self) -> PrefillEngine:
@@ -171,10 +139,12 @@ class PrefillEngine:
         Whatever is still unfinished afterwards fails with EngineClosedError — a caller
         is always answered, never left waiting.
         """
-        self._accepting = False
+        with self._lock:
+            self._accepting = False
+            pending = list(self._futures.items())
         if drain:
             deadline = time.monotonic() + timeout_s
-            for fut in list(self._futures.values()):
+            for _, fut in pending:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -182,18 +152,23 @@ class PrefillEngine:
                     fut.exception(timeout=remaining)
                 except Exception:
                     break
-        for rid in list(self._futures):
+        with self._lock:
+            unfinished = list(self._futures)
+        for rid in unfinished:
             self.cancel(rid)
         self.loop.stop()
         self.pool.join(timeout_s=5.0)
-        for fut in list(self._futures.values()):
-            if not fut.done():
-                fut.set_exception(EngineClosedError("the prefill engine shut down"))
-        self._futures.clear()
+        with self._lock:
+            leftovers = list(self._futures.values())
+            self._futures.clear()
+        for fut in leftovers:
+            _fail(fut, EngineClosedError("the prefill engine shut down"))
 
     @property
     def accepting(self) -> bool:
-        return self._accepting and self.loop.running
+        with self._lock:
+            accepting = self._accepting
+        return accepting and self.loop.running
 
     # ---------------------------------------------------------------- requests
 
@@ -257,19 +232,63 @@ class PrefillEngine:
     ) -> None:
         self.loop.post(Completion(task, result, error))
 
-    def _complete(self, event: Completion) -> None:
+    # ------------------------------------------- the scheduler thread's output
+
+    def _on_round(self, out: RoundOutput) -> None:
+        """Resolve futures and record metrics for what one round did."""
+        for cancelled in out.cancelled:
+            self._answer_cancel(cancelled)
+        for completion in out.completed:
+            self._answer_completion(completion)
+        m = self.metrics
+        for p in out.preempted:
+            m.preemptions.inc()
+            m.preemption_blocking.observe(p.outcome.blocking_s)
+            self.blocking_times_s.append(p.outcome.blocking_s)
+        if out.stopped:
+            return
+        m.rounds.inc()
+        if out.commands:
+            m.command_rounds.inc()
+        for cmd in out.commands:
+            if cmd.kind is CommandKind.SUBMIT:
+                m.batch_size.observe(len(cmd.task.requests))
+        m.queue_depth.set(self.scheduler.queue_depth)
+        m.preempted_tasks.set(len(self.scheduler.preempted))
+
+    def _on_crash(self, error: BaseException) -> None:
+        with self._lock:
+            self._accepting = False
+            futures = list(self._futures.values())
+            self._futures.clear()
+        failure = RuntimeError(f"prefill scheduler failed: {type(error).__name__}: {error}")
+        for fut in futures:
+            _fail(fut, failure)
+
+    def _pop_future(self, request_id: str) -> Future[PrefillResult] | None:
+        with self._lock:
+            return self._futures.pop(request_id, None)
+
+    def _answer_cancel(self, cancelled: Cancelled) -> None:
+        fut = self._pop_future(cancelled.request_id)
+        if fut is None:
+            return
+        r = cancelled.request
+        self.metrics.requests.labels(r.slo_class if r else "unknown", "cancelled").inc()
+        _fail(fut, TaskCancelledError(f"request {cancelled.request_id} was cancelled"))
+
+    def _answer_completion(self, event: Completion) -> None:
         m = self.metrics
         for i, r in enumerate(event.task.requests):
-            with self._lock:
-                fut = self._futures.pop(r.request_id, None)
+            fut = self._pop_future(r.request_id)
             if r.state is RequestState.CANCELLED:
-                if fut is not None and not fut.done():
-                    fut.set_exception(TaskCancelledError(f"request {r.request_id} was cancelled"))
+                if fut is not None:
+                    _fail(fut, TaskCancelledError(f"request {r.request_id} was cancelled"))
                 continue
             if event.error is not None or event.result is None:
                 m.requests.labels(r.slo_class, "failed").inc()
-                if fut is not None and not fut.done():
-                    fut.set_exception(event.error or RuntimeError("prefill produced no output"))
+                if fut is not None:
+                    _fail(fut, event.error or RuntimeError("prefill produced no output"))
                 continue
             res = PrefillResult(
                 request_id=r.request_id,
@@ -285,3 +304,10 @@ class PrefillEngine:
             m.requests.labels(r.slo_class, "met" if res.met_slo else "missed").inc()
             if fut is not None and not fut.done():
                 fut.set_result(res)
+
+
+def _fail(fut: Future[PrefillResult], error: BaseException) -> None:
+    # Each future is popped from _futures exactly once, so only its popper resolves it;
+    # the check covers a caller that cancelled the Future object itself.
+    if not fut.done():
+        fut.set_exception(error)

@@ -1,36 +1,30 @@
 """Execution pool: runs at most one task at a time and keeps preempted tasks suspended.
 
 The pool makes no decisions; it carries out the scheduler's ``submit``, ``preempt`` and
-``resume`` commands (paper §4). Each task runs in its own thread so that a preempted task
-can stay parked inside its forward pass, keeping every activation and KV tensor, while
-another task's thread runs. A parked thread waits on an Event and holds no GIL, and the
-pool never lets two tasks run at once: ``preempt`` returns only once the running task has
-acknowledged (or finished).
+``resume`` commands (paper §4), as :class:`flowprefill.scheduler.round.Pool` describes.
+Each task runs in its own thread so that a preempted task can stay parked inside its
+forward pass, keeping every activation and KV tensor, while another task's thread runs.
+A parked thread waits on an Event and holds no GIL, and the pool never lets two tasks run
+at once: ``preempt`` returns only once the running task has acknowledged (or finished).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from flowprefill.errors import TaskCancelledError, UnknownTaskError
 from flowprefill.executor.preemption import SyncFn, TaskControl, activate
 from flowprefill.request import Task
+from flowprefill.scheduler.round import PreemptOutcome
+
+__all__ = ["ExecutionPool", "PreemptOutcome", "RunFn"]
 
 R = TypeVar("R")
 
 RunFn = Callable[[Task, TaskControl], R]
 """Does a task's work on the calling thread; its checkpoints reach ``TaskControl``."""
-
-
-@dataclass(frozen=True, slots=True)
-class PreemptOutcome:
-    parked: bool
-    """False when the task finished before reaching a checkpoint."""
-    blocking_s: float
-    """Signal → ACK (or → finish) time: the paper's preemption blocking time."""
 
 
 class ExecutionPool(Generic[R]):

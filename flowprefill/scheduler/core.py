@@ -3,9 +3,9 @@
 :class:`Scheduler` owns the three queues — waiting requests ``Q_w``, preempted tasks
 ``Q_p`` and the running task ``E`` — and nothing else. It never waits, sleeps or touches
 threads: the caller reports arrivals and completions, then asks for one round at a given
-time and carries out the returned commands, in order, on an execution pool. The real
-prefill instance (:mod:`flowprefill.scheduler.loop`) and the simulator drive this same
-class, so what the simulator predicts is what the engine decides.
+time and carries out the returned commands, in order, on an execution pool. That caller
+is :func:`flowprefill.scheduler.round.run_round`, which the engine's loop thread and the
+simulator both call, so what the simulator predicts is what the engine decides.
 
 Invariant after every :meth:`Scheduler.schedule` call: the running task holds the
 highest-priority runnable entry (waiting request, preempted task or the running task
@@ -122,6 +122,17 @@ class Scheduler:
                     if all(m.is_terminal for m in task.requests):
                         return task
                     return None
+        return None
+
+    def find(self, request_id: str) -> Request | None:
+        """The queued request ``request_id`` (waiting, or in the running or a preempted task)."""
+        r = self.waiting.get(request_id)
+        if r is not None:
+            return r
+        for task in self._tasks():
+            for member in task.requests:
+                if member.request_id == request_id:
+                    return member
         return None
 
     # ------------------------------------------------------------------ ranking

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sw.add_argument(
         "--live-progress",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,  # None: SweepConfig's default, which is the engine's behaviour
         help="refresh the running task's progress every round, as the engine's loop does; "
         "--no-live-progress models the earlier engine that refreshed it only at preemption",
     )
@@ -131,7 +131,11 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         burst_cv=args.burst_cv,
         trace=args.trace,
     )
-    extra = {} if args.slo_scales is None else {"slo_scales": args.slo_scales}
+    extra: dict[str, object] = {}
+    if args.slo_scales is not None:
+        extra["slo_scales"] = args.slo_scales
+    if args.live_progress is not None:
+        extra["live_progress"] = args.live_progress
     cfg = SweepConfig(
         cost=cost,
         workload=workload,
@@ -143,7 +147,6 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         oracles=not args.no_oracles,
         instances=args.instances,
         router=args.router,
-        live_progress=args.live_progress,
         jobs=args.jobs,
         **extra,
     )

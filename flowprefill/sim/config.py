@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flowprefill.errors import InvalidRequestError
 from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.scheduler.round import LIVE_PROGRESS
 from flowprefill.sim.cost import (
     ATTN_EFFICIENCY,
     PASS_OVERHEAD_S,
@@ -119,7 +120,7 @@ class SweepConfig(BaseModel):
     instances: int = Field(1, description="Prefill instances behind the gateway.")
     router: str = Field("round-robin", description="Gateway routing across instances.")
     live_progress: bool = Field(
-        True,
+        LIVE_PROGRESS,
         description="Refresh the running task's progress before each round, as the engine's "
         "loop does; off = the earlier engine, which refreshed it only at preemption.",
     )

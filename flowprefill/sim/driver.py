@@ -1,22 +1,15 @@
-"""The discrete-event driver: the engine's Scheduler against simulated execution pools.
+"""The discrete-event driver: the engine's scheduling round against simulated pools.
 
-Each :class:`Instance` mirrors one prefill instance's scheduler loop
-(:mod:`flowprefill.scheduler.loop`) on a virtual clock. A wake-up happens at the time of
-its earliest queued event (an arrival or a completion) — or, if the loop thread was still
-blocked in a preempt, when it is free again — and then exactly as in the engine: handle
-*every* event queued by then, run **one** ``Scheduler.schedule`` round, and apply its
-commands in order on the pool. A ``preempt`` blocks the loop for the victim's remaining
-operator (or layer, or chunk); the following ``submit``/``resume`` starts when it returns.
-Scheduling decisions cost no simulated time.
-
-The :class:`~flowprefill.scheduler.core.Scheduler` objects are the engine's; the driver
-only adds requests, reports completions and carries out commands.
-
-``Task.progress`` is set exactly when the engine's pool sets it: when a task parks (and
-1.0 when it finishes). So the *running* task is ranked with the progress it had when it
-last started (0 for a fresh task): S-EDF overestimates its remaining time and may sink it
-as infeasible. ``live_progress=True`` refreshes it from the pool before every round — the
-one-line engine change this simulator recommends (docs/simulator.md: +27 % goodput).
+Each :class:`Instance` is one prefill instance's scheduler loop on a virtual clock. A
+wake-up happens at the time of its earliest queued event (an arrival or a completion) —
+or, if the loop was still blocked in a preempt, when it is free again — and then runs the
+engine's own :func:`~flowprefill.scheduler.round.run_round` with *every* event queued by
+then: the same event handling, progress refresh, single ``Scheduler.schedule`` and
+in-order commands as :class:`~flowprefill.scheduler.loop.SchedulerLoop`. The simulated
+pool keeps time: a ``preempt`` moves its clock on by the victim's remaining operator (or
+layer, or chunk), so the following ``submit``/``resume`` starts when it returns.
+Scheduling decisions cost no simulated time. The driver itself only queues events,
+schedules each started task's completion and counts results.
 """
 
 from __future__ import annotations
@@ -29,24 +22,12 @@ from dataclasses import dataclass, field
 
 from flowprefill.request import Request, RequestState, Task
 from flowprefill.scheduler.core import CommandKind, Scheduler
+from flowprefill.scheduler.round import LIVE_PROGRESS, Arrival, Completion, Event, run_round
 from flowprefill.sim.gateway import Admission, AdmitAll, RoundRobin, Router
 from flowprefill.sim.pool import SimulatedPool
 
 _ARRIVAL, _COMPLETION = 0, 1
 _Event = tuple[float, int, int, Request | Task, int]
-
-
-def finish_task(scheduler: Scheduler, task: Task, now_s: float) -> None:
-    """Report a completion to the scheduler.
-
-    A preempt that raced with the task's end (no checkpoint before it) leaves the task in
-    ``Q_p``, and ``Scheduler.finish`` then moves its requests PREEMPTED → FINISHED, which
-    request.py currently forbids. Pass them through RUNNING first (a legal move that
-    changes nothing else) until that transition is allowed.
-    """
-    if task.task_id in scheduler.preempted:
-        task.transition(RequestState.RUNNING, now_s)
-    scheduler.finish(task, now_s)
 
 
 @dataclass(eq=False)
@@ -56,11 +37,15 @@ class Instance:
     scheduler: Scheduler
     pool: SimulatedPool
     admission: Admission = field(default_factory=AdmitAll)
-    live_progress: bool = False
-    loop_free_s: float = 0.0
+    live_progress: bool = LIVE_PROGRESS
     num_shed: int = 0
     _events: list[_Event] = field(default_factory=list)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
+
+    @property
+    def loop_free_s(self) -> float:
+        """When the loop is free again (after the last round's preempts)."""
+        return self.pool.now_s
 
     def post(self, time_s: float, kind: int, payload: Request | Task, token: int = 0) -> None:
         heapq.heappush(self._events, (time_s, next(self._seq), kind, payload, token))
@@ -77,40 +62,34 @@ class Instance:
         return max(events[0][0], self.loop_free_s)
 
     def wake(self, now_s: float, sim: Simulation) -> None:
-        sched, pool, events = self.scheduler, self.pool, self._events
-        while events and events[0][0] <= now_s:
-            _, _, kind, payload, token = heapq.heappop(events)
+        queued, pool = self._events, self.pool
+        events: list[Event] = []
+        while queued and queued[0][0] <= now_s:
+            _, _, kind, payload, token = heapq.heappop(queued)
             if kind == _ARRIVAL:
                 assert isinstance(payload, Request)
-                if self.admission.admit(payload, sched, now_s):
-                    sched.add(payload)
-                else:
-                    payload.transition(RequestState.CANCELLED, now_s)
-                    self.num_shed += 1
-                    sim.count_miss()
+                events.append(Arrival(payload))
             else:
                 assert isinstance(payload, Task)
-                if pool.token(payload) != token:
-                    continue
-                finish_task(sched, payload, now_s)
-                pool.release(payload)
-                sim.count_finished(payload)
-        running = sched.running
-        if self.live_progress and running is not None:
-            running.progress = pool.progress(running, now_s)
-        out = sched.schedule(now_s)
-        t = now_s
+                if pool.token(payload) == token:  # else superseded
+                    events.append(Completion(payload, None, None))
+        pool.advance_to(now_s)
+        out = run_round(
+            self.scheduler,
+            pool,
+            events,
+            now_s,
+            live_progress=self.live_progress,
+            admit=self.admission.admit,
+        )
+        for _ in out.shed:
+            self.num_shed += 1
+            sim.count_miss()
+        for done in out.completed:
+            sim.count_finished(done.task)
         for cmd in out.commands:
-            task = cmd.task
-            if cmd.kind is CommandKind.PREEMPT:
-                t += pool.preempt(task, t).blocking_s
-            else:
-                if cmd.kind is CommandKind.SUBMIT:
-                    done_s = pool.submit(task, t)
-                else:
-                    done_s = pool.resume(task, t)
-                self.post(done_s, _COMPLETION, task, pool.token(task) or 0)
-        self.loop_free_s = t
+            if cmd.kind is not CommandKind.PREEMPT:
+                self.post(pool.done_s(cmd.task), _COMPLETION, cmd.task, pool.token(cmd.task) or 0)
 
 
 @dataclass(slots=True)

@@ -1,11 +1,12 @@
 """The simulated execution pool: carries out submit / preempt / resume on a virtual clock.
 
-Same contract as :class:`flowprefill.executor.pool.ExecutionPool` — one task runs, the
-others are parked with their progress — but a task is an :class:`ExecutionPlan` instead of
-a thread. ``preempt`` returns the blocking time: from the signal to the next checkpoint of
-the running task (the rest of the operator, layer or chunk in flight), during which the
-device keeps running the victim. The victim keeps the work done up to that checkpoint and
-continues from there when resumed.
+Same contract (:class:`flowprefill.scheduler.round.Pool`) as the engine's
+:class:`flowprefill.executor.pool.ExecutionPool` — one task runs, the others are parked
+with their progress — but a task is an :class:`ExecutionPlan` instead of a thread, and
+time is the pool's own clock. ``preempt`` returns the blocking time: from the signal to
+the next checkpoint of the running task (the rest of the operator, layer or chunk in
+flight), during which the device keeps running the victim. The victim keeps the work done
+up to that checkpoint and continues from there when resumed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from flowprefill.errors import UnknownTaskError
 from flowprefill.request import Task
+from flowprefill.scheduler.round import PreemptOutcome
 from flowprefill.sim.cost import CostModel
 from flowprefill.sim.plan import ExecutionPlan, Granularity
 
@@ -29,28 +31,35 @@ class _Run:
     """Bumped whenever the task's expected completion time changes."""
 
 
-@dataclass(frozen=True, slots=True)
-class PreemptResult:
-    parked: bool
-    """False when the task reached its end before any checkpoint (it finished)."""
-    blocking_s: float
-
-
 @dataclass(slots=True)
 class SimulatedPool:
+    """:class:`flowprefill.scheduler.round.Pool` on a virtual clock.
+
+    ``now_s`` is the loop's clock: the driver moves it to the wake-up time before a round
+    (:meth:`advance_to`) and a ``preempt`` moves it on by its blocking time, so the next
+    command starts once the victim has parked, as the engine's blocking ``preempt`` does.
+    """
+
     cost: CostModel
     granularity: Granularity
     chunk_size: int | None = None
+    now_s: float = 0.0
     running: Task | None = None
     blocking_s: list[float] = field(default_factory=list)
     work_s: float = 0.0
     """Device time of every task submitted so far (each runs to its end eventually)."""
     _runs: dict[int, _Run] = field(default_factory=dict)
 
+    def advance_to(self, now_s: float) -> None:
+        """The loop wakes at ``now_s`` (never earlier than it last got free)."""
+        if now_s < self.now_s:
+            raise ValueError(f"the simulated clock cannot go back from {self.now_s} to {now_s}")
+        self.now_s = now_s
+
     # ----------------------------------------------------------------- commands
 
-    def submit(self, task: Task, now_s: float) -> float:
-        """Start ``task``; returns its completion time if it is not preempted."""
+    def submit(self, task: Task) -> None:
+        """Start ``task`` now; :meth:`done_s` says when it ends if not preempted."""
         if self.running is not None:
             raise RuntimeError(f"cannot submit {task!r}: {self.running!r} is running")
         lengths = [r.num_tokens for r in task.requests]
@@ -59,42 +68,45 @@ class SimulatedPool:
         )
         self._runs[task.task_id] = _Run(plan)
         self.work_s += plan.total_s
-        return self.resume(task, now_s)
+        self.resume(task)
 
-    def resume(self, task: Task, now_s: float) -> float:
+    def resume(self, task: Task) -> None:
         run = self._run(task)
         if self.running is not None and self.running is not task:
             raise RuntimeError(f"cannot resume {task!r}: {self.running!r} is running")
-        run.started_s = now_s
+        run.started_s = self.now_s
         run.token += 1
         self.running = task
-        return now_s + run.plan.total_s - run.done_s
 
-    def preempt(self, task: Task, now_s: float) -> PreemptResult:
+    def preempt(self, task: Task) -> PreemptOutcome:
         """Signal ``task``; it parks at its next checkpoint (or finishes first)."""
         run = self._run(task)
         if run.started_s is None or self.running is not task:
             raise RuntimeError(f"{task!r} is not running")
         plan = run.plan
-        elapsed = min(run.done_s + (now_s - run.started_s), plan.total_s)
+        elapsed = min(run.done_s + (self.now_s - run.started_s), plan.total_s)
         checkpoint = plan.next_checkpoint_s(elapsed)
         self.running = None
+        run.started_s = None
         if checkpoint is None:
             # Finishes first: its completion (already scheduled) stays valid.
             blocking = plan.total_s - elapsed
             run.done_s = plan.total_s
-            run.started_s = None
             task.progress = 1.0
-            self.blocking_s.append(blocking)
-            return PreemptResult(False, blocking)
-        checkpoint = max(checkpoint, elapsed)
-        blocking = checkpoint - elapsed
-        run.done_s = checkpoint
-        run.started_s = None
-        run.token += 1
-        task.progress = plan.progress(checkpoint)
+            parked = False
+        else:
+            checkpoint = max(checkpoint, elapsed)
+            blocking = checkpoint - elapsed
+            run.done_s = checkpoint
+            run.token += 1
+            task.progress = plan.progress(checkpoint)
+            parked = True
         self.blocking_s.append(blocking)
-        return PreemptResult(True, blocking)
+        self.now_s += blocking
+        return PreemptOutcome(parked, blocking)
+
+    def cancel(self, task: Task) -> None:
+        raise NotImplementedError("the simulator issues no cancellations")
 
     def release(self, task: Task) -> None:
         self._runs.pop(task.task_id, None)
@@ -103,15 +115,23 @@ class SimulatedPool:
 
     # ----------------------------------------------------------------- queries
 
-    def progress(self, task: Task, now_s: float) -> float:
+    def progress(self, task: Task) -> float:
         """Live fraction of the task's run time done at ``now_s``."""
         run = self._run(task)
         elapsed = run.done_s
         if run.started_s is not None:
-            elapsed += now_s - run.started_s
+            elapsed += self.now_s - run.started_s
         return run.plan.progress(elapsed)
 
+    def done_s(self, task: Task) -> float:
+        """When ``task`` ends if it keeps running (it must be running)."""
+        run = self._run(task)
+        if run.started_s is None:
+            raise RuntimeError(f"{task!r} is not running")
+        return run.started_s + run.plan.total_s - run.done_s
+
     def token(self, task: Task) -> int | None:
+        """Bumped whenever the task's completion time changes: an older one is stale."""
         run = self._runs.get(task.task_id)
         return None if run is None else run.token
 

@@ -25,6 +25,7 @@ from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.scheduler.batching import get_batching
 from flowprefill.scheduler.core import Scheduler
 from flowprefill.scheduler.policies import get_policy
+from flowprefill.scheduler.round import LIVE_PROGRESS
 from flowprefill.sim.cost import CostModel
 from flowprefill.sim.driver import Instance, SimResult, Simulation
 from flowprefill.sim.gateway import get_admission, get_router
@@ -136,7 +137,7 @@ def build_instance(
     cost: CostModel,
     predict_s: Callable[[int], float],
     *,
-    live_progress: bool = False,
+    live_progress: bool = LIVE_PROGRESS,
 ) -> Instance:
     scheduler = Scheduler(
         predict_s=predict_s,
@@ -145,7 +146,7 @@ def build_instance(
         token_budget=spec.token_budget,
     )
     pool = SimulatedPool(cost, spec.granularity, spec.chunk_size)
-    return Instance(scheduler, pool, get_admission(spec.admission), live_progress)
+    return Instance(scheduler, pool, get_admission(spec.admission), live_progress=live_progress)
 
 
 def run_system(
@@ -159,7 +160,7 @@ def run_system(
     num_instances: int = 1,
     router: str = "round-robin",
     miss_budget: int | None = None,
-    live_progress: bool = False,
+    live_progress: bool = LIVE_PROGRESS,
 ) -> SimResult:
     """One simulated run of ``workload`` at ``rate`` req/s (over all instances)."""
     predict_s = cached_predict(predictor or fit_predictor(cost))
