@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,24 +29,55 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from flowprefill.contracts import Endpoint, EngineConfig, GatewayConfig, SLOTable, SLOTableClass
+from flowprefill.contracts import (
+    Batching,
+    Endpoint,
+    EngineConfig,
+    GatewayConfig,
+    Granularity,
+    KVHandoffSettings,
+    KVTransport,
+    Policy,
+    Router,
+    SLOTable,
+)
+from flowprefill.contracts.deployment import (
+    DECODE_PORT,
+    GATEWAY_PORT,
+    OFFLINE_ENV,
+    PREFILL_PORT,
+)
+from flowprefill.contracts.processes import (
+    Launcher,
+    ProcessSpec,
+    decode_process,
+    gateway_process,
+    prefill_process,
+)
 from flowprefill.errors import FlowPrefillError
-from flowprefill.scheduler.batching import BATCHING
-from flowprefill.scheduler.policies import POLICIES
 
-PAPER_SLOS_S = {"text": 0.25, "image": 0.5, "search": 4.0, "file": 6.0}
-PRIORITIES = {"text": 30, "image": 20, "search": 10, "file": 0}
 SCALE_AT_TOKENS = 1024
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass
 class Child:
+    """One supervised process, rendered from its :class:`ProcessSpec`."""
+
     name: str
-    cmd: list[str]
-    url: str
+    process: ProcessSpec
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    """Environment of this machine on top of the process's own (caches, offline mode)."""
     proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def cmd(self) -> list[str]:
+        return self.process.argv
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.process.port}"
 
     def start(self) -> None:
         log = self.log_path.open("wb")
@@ -55,7 +85,8 @@ class Child:
             self.cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
+            # The user's environment may override what the process description sets.
+            env={**self.process.env, **os.environ, **self.env},
             start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
         )
 
@@ -64,8 +95,7 @@ class Child:
 
     def ready(self) -> bool:
         try:
-            path = "/health" if self.name.startswith("decode") else "/ready"
-            return httpx.get(self.url + path, timeout=1.0).status_code == 200
+            return httpx.get(self.url + self.process.ready_path, timeout=1.0).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -90,13 +120,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo-llama", help="built-in tiny model or local dir")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode (vLLM) instances; 0 = none")
-    p.add_argument("--port", type=int, default=8000, help="gateway port")
-    p.add_argument("--policy", default="s-edf", choices=sorted(POLICIES), help="priority policy")
-    p.add_argument("--granularity", default="operator", choices=["operator", "layer", "none"])
+    p.add_argument(
+        "--port",
+        type=int,
+        default=GATEWAY_PORT,
+        help=f"gateway port; prefill instances listen from +{PREFILL_PORT - GATEWAY_PORT}, "
+        f"decode from +{DECODE_PORT - GATEWAY_PORT}",
+    )
+    p.add_argument("--policy", default=Policy.S_EDF, type=Policy.parse, choices=list(Policy),
+                   help="priority policy")  # fmt: skip
+    p.add_argument("--granularity", default=Granularity.OPERATOR, type=Granularity.parse,
+                   choices=list(Granularity))  # fmt: skip
     p.add_argument(
         "--batching",
-        default="slo-aware",
-        choices=sorted(BATCHING),
+        default=Batching.SLO_AWARE,
+        type=Batching.parse,
+        choices=list(Batching),
         help="batching policy (member-headroom: each member's own deadline; docs/simulator.md)",
     )
     p.add_argument(
@@ -105,36 +144,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunk-size", type=int, default=None, help="split prompts into chunks of this many tokens"
     )
-    p.add_argument(
-        "--routing", default="slack-aware", choices=["slack-aware", "round-robin", "least-loaded"]
-    )
+    p.add_argument("--routing", default=Router.SLACK_AWARE, type=Router.parse, choices=list(Router))
     p.add_argument("--profile", help="TTFT profile JSON (profiled once at start when absent)")
     p.add_argument("--run-dir", help="where configs, logs and KV hand-offs go")
     p.add_argument("--threads", type=int, default=None, help="torch threads per prefill")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument(
         "--kv-transport",
-        default="shared_dir",
-        choices=["shared_dir", "http"],
+        default=KVTransport.SHARED_DIR,
+        type=KVTransport.parse,
+        choices=list(KVTransport),
         help="KV hand-off: one shared directory, or each decode pulls from prefill over HTTP "
         "into its own cache directory",
     )
 
 
 def slo_table(scale: float) -> SLOTable:
-    return SLOTable(
-        default_class="text",
-        classes=[
-            SLOTableClass(
-                name=name,
-                task_type=name,
-                ttft_slo_ms=max(1, round(slo * scale * 1e3)),
-                priority=PRIORITIES[name],
-                attainment_target=0.9,
-            )
-            for name, slo in PAPER_SLOS_S.items()
-        ],
-    )
+    """The paper's four classes (Table 2, Llama-3-8B) scaled to this machine."""
+    return SLOTable.paper(scale=scale)
 
 
 def machine_scale(predict_s_1k: float) -> float:
@@ -162,15 +189,11 @@ def check_decode_head_dim(model_dir: Path) -> None:
         )
 
 
-def vllm_server_command(
-    model_dir: Path, port: int, max_model_len: int = 8192, extra: list[str] | None = None
-) -> list[str]:
-    """vLLM's OpenAI server on loopback with CPU-friendly settings (float32, eager)."""
+def decode_args(model_dir: Path, max_model_len: int = 8192) -> list[str]:
+    """vLLM settings for a CPU host: float32, eager, our model directory's name."""
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", str(max_model_len), "--served-model-name", str(model_dir),
-        *(extra or []),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--served-model-name", str(model_dir), "--enable-prompt-tokens-details",
     ]  # fmt: skip
 
 
@@ -179,35 +202,113 @@ def decode_command(
     port: int,
     kv_dir: Path,
     max_model_len: int = 8192,
-    transport: str = "shared_dir",
+    transport: KVTransport = KVTransport.SHARED_DIR,
 ) -> list[str]:
-    """A decode instance: vLLM as a KV consumer of our hand-offs.
+    """A decode instance on loopback: vLLM as a KV consumer of our hand-offs.
 
     ``kv_dir``: the shared hand-off directory (``shared_dir``), or this instance's own
     cache of hand-offs pulled from prefill (``http``)."""
-    from flowprefill.contracts.kv import kv_transfer_config
+    return decode_spec(model_dir, port, kv_dir, max_model_len, transport).argv
 
-    kv_config = kv_transfer_config(str(kv_dir), transport=transport)
-    return vllm_server_command(
-        model_dir,
-        port,
-        max_model_len,
-        ["--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv_config)],
+
+def decode_spec(
+    model_dir: Path,
+    port: int,
+    kv_dir: Path,
+    max_model_len: int = 8192,
+    transport: KVTransport = KVTransport.SHARED_DIR,
+) -> ProcessSpec:
+    return decode_process(
+        Launcher.local(),
+        model_path=str(model_dir),
+        port=port,
+        host=LOOPBACK,
+        kv_transport=transport,
+        kv_path=str(kv_dir),
+        cpu=True,
+        extra_args=decode_args(model_dir, max_model_len),
     )
 
 
 def decode_env(run_dir: Path) -> dict[str, str]:
-    from flowprefill.kv.vllm_idle import CPU_IDLE_SPIN_S, IDLE_SPIN_ENV
-
+    """This machine's environment for vLLM (the process's own comes from its spec)."""
     return {
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        # vLLM's worker busy-waits 1 s after each step, taking a core from the prefill
-        # instance on this host (flowprefill/kv/vllm_idle.py).
-        IDLE_SPIN_ENV: os.environ.get(IDLE_SPIN_ENV, CPU_IDLE_SPIN_S),
         "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
+        **OFFLINE_ENV,
     }
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """What ``up`` writes and starts: config files by name, then the children in order."""
+
+    files: dict[str, str]
+    children: list[Child]
+    gateway_url: str
+
+
+def plan_stack(
+    args: argparse.Namespace, model_dir: Path, profile: Path, table: SLOTable, run_dir: Path
+) -> StackPlan:
+    """Render every process of the local stack from the shared process descriptions."""
+    launcher = Launcher.local()
+    kv_dir = run_dir / "kv"
+    files: dict[str, str] = {"slo-table.json": table.model_dump_json(indent=2)}
+    children: list[Child] = []
+    prefill_eps = []
+    for i in range(args.prefill):
+        port = args.port + (PREFILL_PORT - GATEWAY_PORT) + i
+        cfg = EngineConfig(
+            model_path=str(model_dir),
+            granularity=args.granularity,
+            policy=args.policy,
+            batching=args.batching,
+            batch_token_budget=args.batch_token_budget,
+            chunk_size=args.chunk_size,
+            predictor_path=str(profile),
+            num_threads=args.threads,
+            kv=KVHandoffSettings(transport=args.kv_transport, dir=str(kv_dir)),
+        )
+        files[f"engine-{i}.json"] = cfg.model_dump_json(indent=2)
+        process = prefill_process(
+            launcher,
+            engine_config_path=str(run_dir / f"engine-{i}.json"),
+            port=port,
+            host=LOOPBACK,
+            kv_transport=args.kv_transport,
+            advertise_host=LOOPBACK,
+        )
+        prefill_eps.append(Endpoint.at("prefill", LOOPBACK, port))
+        children.append(Child(f"prefill-{i}", process, run_dir / "logs" / f"prefill-{i}.log"))
+    decode_eps = []
+    for i in range(args.decode):
+        port = args.port + (DECODE_PORT - GATEWAY_PORT) + i
+        cache = kv_dir if args.kv_transport is KVTransport.SHARED_DIR else run_dir / f"kv-cache-{i}"
+        process = decode_spec(model_dir, port, cache, transport=args.kv_transport)
+        decode_eps.append(Endpoint.at("decode", LOOPBACK, port))
+        children.append(
+            Child(f"decode-{i}", process, run_dir / "logs" / f"decode-{i}.log", decode_env(run_dir))
+        )
+    gateway_cfg = GatewayConfig(
+        service="local",
+        model_name=args.model,
+        tokenizer_path=str(model_dir),
+        prefill=prefill_eps,
+        decode=decode_eps,
+        prefill_routing=args.routing,
+        predictor_path=str(profile),
+    )
+    files["gateway.json"] = gateway_cfg.model_dump_json(indent=2)
+    gateway = gateway_process(
+        launcher,
+        gateway_config_path=str(run_dir / "gateway.json"),
+        slo_table_path=str(run_dir / "slo-table.json"),
+        port=args.port,
+        host=LOOPBACK,
+    )
+    children.append(Child("gateway", gateway, run_dir / "logs" / "gateway.log"))
+    return StackPlan(files, children, f"http://{LOOPBACK}:{args.port}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,7 +327,6 @@ def run(args: argparse.Namespace) -> int:
         )
     run_dir = Path(args.run_dir or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    kv_dir = run_dir / "kv"
     with console.status(f"preparing {args.model}"):
         model_dir = resolve_model_path(args.model)
     if args.decode:
@@ -240,103 +340,10 @@ def run(args: argparse.Namespace) -> int:
         predictor.save(profile)
     scale = machine_scale(predictor.predict_s(SCALE_AT_TOKENS))
     table = slo_table(scale)
-    (run_dir / "slo-table.json").write_text(table.model_dump_json(indent=2))
-
-    children: list[Child] = []
-    base_port = args.port + 100
-    prefill_eps = []
-    for i in range(args.prefill):
-        port = base_port + i
-        cfg = EngineConfig(
-            model_path=str(model_dir),
-            granularity=args.granularity,
-            policy=args.policy,
-            batching=args.batching,
-            batch_token_budget=args.batch_token_budget,
-            chunk_size=args.chunk_size,
-            predictor_path=str(profile),
-            num_threads=args.threads,
-        )
-        (run_dir / f"engine-{i}.json").write_text(cfg.model_dump_json(indent=2))
-        url = f"http://127.0.0.1:{port}"
-        prefill_eps.append(Endpoint(pool="prefill", host="127.0.0.1", port=port, url=url))
-        children.append(
-            Child(
-                f"prefill-{i}",
-                [
-                    sys.executable,
-                    "-m",
-                    "flowprefill.cli",
-                    "serve-prefill",
-                    "--config",
-                    str(run_dir / f"engine-{i}.json"),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--kv-dir",
-                    str(kv_dir),
-                    "--kv-transport",
-                    args.kv_transport,
-                    "--kv-advertise-url",
-                    url,
-                ],
-                url,
-                run_dir / "logs" / f"prefill-{i}.log",
-            )
-        )
-    decode_eps = []
-    for i in range(args.decode):
-        port = base_port + 50 + i
-        url = f"http://127.0.0.1:{port}"
-        decode_eps.append(Endpoint(pool="decode", host="127.0.0.1", port=port, url=url))
-        children.append(
-            Child(
-                f"decode-{i}",
-                decode_command(
-                    model_dir,
-                    port,
-                    kv_dir if args.kv_transport == "shared_dir" else run_dir / f"kv-cache-{i}",
-                    transport=args.kv_transport,
-                ),
-                url,
-                run_dir / "logs" / f"decode-{i}.log",
-                env=decode_env(run_dir),
-            )
-        )
-    gateway_cfg = GatewayConfig(
-        service="local",
-        model_name=args.model,
-        tokenizer_path=str(model_dir),
-        prefill=prefill_eps,
-        decode=decode_eps,
-        prefill_routing=args.routing,
-        predictor_path=str(profile),
-    )
-    (run_dir / "gateway.json").write_text(gateway_cfg.model_dump_json(indent=2))
-    gw_url = f"http://127.0.0.1:{args.port}"
-    children.append(
-        Child(
-            "gateway",
-            [
-                sys.executable,
-                "-m",
-                "flowprefill.cli",
-                "serve-gateway",
-                "--config",
-                str(run_dir / "gateway.json"),
-                "--slo-table",
-                str(run_dir / "slo-table.json"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(args.port),
-            ],
-            gw_url,
-            run_dir / "logs" / "gateway.log",
-        )
-    )
-    return supervise(children, console, args, table, gw_url, run_dir)
+    plan = plan_stack(args, model_dir, profile, table, run_dir)
+    for name, text in plan.files.items():
+        (run_dir / name).write_text(text)
+    return supervise(plan.children, console, args, table, plan.gateway_url, run_dir)
 
 
 def supervise(

@@ -133,6 +133,19 @@ def result_params(ref: HandoffRef, loaded_tokens: int, reason: str | None = None
     return {PARAMS_KEY: body}
 
 
+def connector_config() -> dict[str, object]:
+    """vLLM's ``kv_transfer_config`` for our connector with its own defaults (the shared
+    directory ``$FLOWPREFILL_KV_DIR`` of the decode process)."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_consumer",
+        # A hand-off that fails while loading (truncated download, file swept) must mean
+        # "recompute those blocks", never a failed request (vLLM's default is "fail").
+        "kv_load_failure_policy": "recompute",
+    }
+
+
 def kv_transfer_config(
     storage_path: str | None = None,
     *,
@@ -156,12 +169,4 @@ def kv_transfer_config(
         }
     else:
         where = {"shared_storage_path": storage_path or default_kv_dir()}
-    return {
-        "kv_connector": CONNECTOR_CLASS,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_consumer",
-        # A hand-off that fails while loading (truncated download, file swept) must mean
-        # "recompute those blocks", never a failed request (vLLM's default is "fail").
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {**where, **extra},
-    }
+    return {**connector_config(), "kv_connector_extra_config": {**where, **extra}}

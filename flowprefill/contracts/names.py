@@ -2,7 +2,8 @@
 
 Configs, CLI flags, CRDs and the simulator all accept these names, and every one of them
 goes through :meth:`Name.parse`: case-insensitive, surrounding blanks ignored, ``_`` and
-``-`` interchangeable (``S_EDF`` is ``s-edf``, ``shared-dir`` is ``shared_dir``). An
+``-`` interchangeable or left out (``S_EDF`` is ``s-edf``; ``shared-dir`` and the CRDs'
+``sharedDir`` are ``shared_dir``). An
 unknown name raises :class:`~flowprefill.errors.UnknownNameError` listing the valid ones.
 The canonical spelling (the enum's value) is what files and manifests carry.
 """
@@ -18,7 +19,8 @@ from flowprefill.errors import UnknownNameError
 
 
 def _key(value: str) -> str:
-    return value.strip().lower().replace("_", "-")
+    # "S_EDF", "s-edf"; "shared_dir", "shared-dir", and the CRDs' camelCase "sharedDir".
+    return value.strip().lower().replace("_", "").replace("-", "")
 
 
 class Name(StrEnum):

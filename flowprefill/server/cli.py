@@ -6,6 +6,14 @@ import argparse
 import logging
 from typing import TYPE_CHECKING, Any
 
+from flowprefill.contracts import EngineConfig, KVHandoffSettings, KVTransport
+from flowprefill.contracts.deployment import (
+    DEFAULT_KV_DIR,
+    KV_ADVERTISE_URL_ENV,
+    KV_DIR_ENV,
+    PREFILL_PORT,
+)
+
 if TYPE_CHECKING:
     from flowprefill.server.kv_sink import DirectorySink
 
@@ -13,37 +21,59 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="engine.json (flowprefill.config.EngineConfig)")
+    p.add_argument("--config", help="engine.json (flowprefill.contracts.EngineConfig)")
     p.add_argument("--model", help="override model_path (local dir or built-in name)")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--port", type=int, default=PREFILL_PORT)
     p.add_argument("--profile", help="override predictor_path (TTFT profile JSON)")
+    # The KV flags override engine.json's "kv" section (for running a server by hand).
     p.add_argument(
         "--kv-dir",
-        help="directory for the KV hand-off to decode (with --kv-transport http: this "
-        "instance's own; default $FLOWPREFILL_KV_DIR or /tmp/flowprefill-kv)",
+        help="override kv.dir: the hand-off directory (with --kv-transport http: this "
+        f"instance's own; default ${KV_DIR_ENV} or {DEFAULT_KV_DIR})",
     )
     p.add_argument(
         "--kv-transport",
-        choices=["shared_dir", "http"],
-        default="shared_dir",
-        help="shared_dir: decode reads --kv-dir (a shared volume); http: this server serves "
-        "hand-offs at /v1/kv/<id> and decode pulls them",
+        type=KVTransport.parse,
+        choices=list(KVTransport),
+        help="override kv.transport. shared_dir: decode reads the hand-off directory (a shared "
+        "volume); http: this server serves hand-offs at /v1/kv/<id> and decode pulls them",
     )
     p.add_argument(
         "--kv-advertise-url",
-        help="base URL decode uses to reach this server (http transport); default "
-        "$FLOWPREFILL_KV_ADVERTISE_URL, else http://<host>:<port> (a wildcard host: the "
-        "address the hostname resolves to, in a pod the pod IP)",
+        help="override kv.advertise_url: the base URL decode uses to reach this server (http "
+        f"transport); default ${KV_ADVERTISE_URL_ENV}, else http://<host>:<port> (a wildcard "
+        "host: the address the hostname resolves to, in a pod the pod IP)",
     )
     p.add_argument(
         "--kv-max-age",
         type=float,
-        default=600.0,
-        help="seconds after which unconsumed hand-offs are swept",
+        help="override kv.max_age_s: seconds after which unconsumed hand-offs are swept",
     )
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest accepted body")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
+
+
+def resolve_config(args: argparse.Namespace) -> EngineConfig:
+    """engine.json (or the defaults) with the command line's overrides applied."""
+    config = EngineConfig.load(args.config) if args.config else EngineConfig()
+    updates: dict[str, Any] = {
+        k: v for k, v in (("model_path", args.model), ("predictor_path", args.profile)) if v
+    }
+    kv_updates = {
+        k: v
+        for k, v in (
+            ("dir", args.kv_dir),
+            ("transport", args.kv_transport),
+            ("advertise_url", args.kv_advertise_url),
+            ("max_age_s", args.kv_max_age),
+        )
+        if v is not None
+    }
+    if kv_updates:
+        base = config.kv.model_dump() if config.kv else {}
+        updates["kv"] = KVHandoffSettings.model_validate({**base, **kv_updates})
+    return config.model_copy(update=updates)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,15 +81,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from flowprefill.backend import build_executor, load_engine_model, quick_profile
-    from flowprefill.contracts import EngineConfig
     from flowprefill.engine import PrefillEngine
     from flowprefill.predictor.model import TTFTPredictor
     from flowprefill.server.errors import BodySizeLimit
     from flowprefill.server.prefill import create_app
 
-    config = EngineConfig.load(args.config) if args.config else EngineConfig()
-    updates = {k: v for k, v in (("model_path", args.model), ("predictor_path", args.profile)) if v}
-    config = config.model_copy(update=updates)
+    config = resolve_config(args)
     model = load_engine_model(config)
     executor = build_executor(config, model)
     predictor = (
@@ -74,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         batching=config.batching,
         token_budget=config.batch_token_budget,
     )
-    kv_sink = kv_handoff(args, model.config)
+    kv_sink = kv_handoff(config.kv, args.host, args.port, model.config)
     # /v1/kv/<id>: decode pulls hand-offs from it (http); the gateway deletes the ones
     # decode will not load through it (both transports).
     kv_store = kv_sink.transport if kv_sink is not None else None
@@ -96,29 +123,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def kv_handoff(args: argparse.Namespace, model_config: Any) -> DirectorySink | None:
-    """Where this instance writes KV hand-offs for decode, or None (no --kv-dir and the
-    shared_dir transport: decode recomputes)."""
-    if not (args.kv_dir or args.kv_transport == "http"):
+def kv_handoff(
+    kv: KVHandoffSettings | None, host: str, port: int, model_config: Any
+) -> DirectorySink | None:
+    """Where this instance writes KV hand-offs for decode, or None (no ``kv`` settings:
+    decode recomputes)."""
+    if kv is None:
         return None
-    from flowprefill.kv import default_storage_path
     from flowprefill.server.kv_sink import advertise_url, directory_sink
 
     source = None
-    if args.kv_transport == "http":
-        source = advertise_url(args.host, args.port, args.kv_advertise_url)
-        if args.host in ("0.0.0.0", "::") and "://127." in source:
+    if kv.transport is KVTransport.HTTP:
+        source = advertise_url(host, port, kv.advertise_url)
+        if host in ("0.0.0.0", "::") and "://127." in source:
             log.warning(
                 "KV hand-offs advertised as %s, which other machines cannot reach: set "
-                "--kv-advertise-url or $FLOWPREFILL_KV_ADVERTISE_URL (e.g. the pod IP)",
+                "kv.advertise_url or $%s (e.g. the pod IP)",
                 source,
+                KV_ADVERTISE_URL_ENV,
             )
-    sink = directory_sink(
-        args.kv_dir or default_storage_path(),
-        model_config,
-        max_age_s=args.kv_max_age,
-        source=source,
-    )
+    sink = directory_sink(kv.resolved_dir, model_config, max_age_s=kv.max_age_s, source=source)
     if source is not None:
         log.info("KV hand-offs in %s, served to decode as %s", sink.transport.root, source)
     else:

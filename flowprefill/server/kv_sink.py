@@ -22,13 +22,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flowprefill.contracts.deployment import KV_ADVERTISE_URL_ENV
 from flowprefill.contracts.kv import HandoffRef, check_source_url
 from flowprefill.kv import ModelFingerprint, SharedDirTransport, build_handoff
 
 KVSink = Callable[[str, Sequence[int], Any], dict[str, Any] | None]
 """(request id, prompt token ids, prefill output) → decode-side parameters."""
-
-ADVERTISE_URL_ENV = "FLOWPREFILL_KV_ADVERTISE_URL"
 
 
 class DirectorySink:
@@ -85,7 +84,7 @@ def advertise_url(host: str, port: int, explicit: str | None = None) -> str:
     <port>`` — for a wildcard bind host (0.0.0.0, ::) the address this machine's hostname
     resolves to (in a pod, /etc/hosts maps it to the pod IP).
     """
-    url = explicit or os.environ.get(ADVERTISE_URL_ENV)
+    url = explicit or os.environ.get(KV_ADVERTISE_URL_ENV)
     if not url:
         if host in ("", "0.0.0.0", "::"):
             try:

@@ -31,7 +31,8 @@ from flowprefill.kv import (
 )
 from flowprefill.models import build_named
 from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.server.kv_sink import ADVERTISE_URL_ENV, advertise_url, directory_sink
+from flowprefill.contracts.deployment import KV_ADVERTISE_URL_ENV as ADVERTISE_URL_ENV
+from flowprefill.server.kv_sink import advertise_url, directory_sink
 from flowprefill.server.prefill import create_app
 from tests.helpers import serve_in_thread
 

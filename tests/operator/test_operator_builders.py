@@ -111,6 +111,7 @@ def test_prefill_command_config_and_probes() -> None:
         "batching": "slo-aware",
         "kernels": None,
         "num_threads": None,
+        "kv": None,
     }
     svc = by_kind(children, "Service")[0]
     assert svc["spec"]["clusterIP"] == "None"
@@ -182,7 +183,8 @@ def test_shared_dir_kv_handoff_mounts_the_claim_in_both_roles() -> None:
         assert {"name": "kv", "mountPath": "/kv"} in pod["containers"][0]["volumeMounts"]
         command = pod["containers"][0]["command"]
         if spec.role == "prefill":
-            assert command[-4:] == ["--kv-dir", "/kv", "--kv-max-age", "600"]
+            kv = build_engine_config(spec).kv
+            assert kv is not None and (kv.dir, kv.max_age_s) == ("/kv", 600)
         else:
             assert _kv_config(command) == {"shared_storage_path": "/kv"}
 
@@ -197,10 +199,12 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
     container = prefill["containers"][0]
     assert {"name": "kv", "emptyDir": {"sizeLimit": "20Gi"}} in prefill["volumes"]
     assert {"name": "kv", "mountPath": mount} in container["volumeMounts"]
-    command = container["command"]
-    assert command[command.index("--kv-dir") + 1] == mount
-    assert command[command.index("--kv-transport") + 1] == "http"
-    assert command[command.index("--kv-max-age") + 1] == "120"
+    # The KV settings travel in engine.json, which serve-prefill reads.
+    engine = json.loads(by_kind(build_pool_children(P.__class__(P.name, "ns", "u", p), SETTINGS),
+                                "ConfigMap")[0]["data"]["engine.json"])  # fmt: skip
+    assert engine["kv"] == {
+        "transport": "http", "dir": mount, "advertise_url": None, "max_age_s": 120.0
+    }  # fmt: skip
     env = [e["name"] for e in container["env"]]
     # $(POD_IP) expands only from variables defined before it.
     assert env.index("POD_IP") < env.index("FLOWPREFILL_KV_ADVERTISE_URL")
@@ -218,7 +222,7 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
 
 def test_http_kv_handoff_matches_what_the_connector_and_server_read() -> None:
     from flowprefill.contracts.kv import kv_transfer_config as connector_config
-    from flowprefill.server.kv_sink import ADVERTISE_URL_ENV
+    from flowprefill.contracts.deployment import KV_ADVERTISE_URL_ENV as ADVERTISE_URL_ENV
 
     d = DECODE.model_validate({**DECODE.wire(), "kvHandoff": {"transport": "http"}})
     command = _pod(d)["containers"][0]["command"]
@@ -352,7 +356,8 @@ def test_judging_duplicate_defaults_missing_secrets_and_invalid_specs() -> None:
 
 
 def test_cpu_decode_pods_cap_vllms_idle_busy_wait() -> None:
-    from flowprefill.kv.vllm_idle import CPU_IDLE_SPIN_S, IDLE_SPIN_ENV
+    from flowprefill.contracts.deployment import CPU_VLLM_IDLE_SPIN_S as CPU_IDLE_SPIN_S
+    from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV as IDLE_SPIN_ENV
 
     cpu = DECODE.model_validate({**DECODE.wire(), "resources": {"gpusPerPod": 0}})
     env = {e["name"]: e.get("value") for e in _pod(cpu)["containers"][0]["env"]}

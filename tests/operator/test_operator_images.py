@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from flowprefill_operator.builders.gateway import gateway_command
-from flowprefill_operator.builders.pool import decode_command, prefill_command
+from flowprefill_operator.builders.pool import pool_process
 from flowprefill_operator.models import ServingPoolSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_engine_images_and_operator_commands_match_the_cli(name: str) -> None:
     path = ROOT / "images" / name / "Dockerfile"
     assert exec_form(path, "ENTRYPOINT") == ["flowprefill"]
     _cli_accepts(exec_form(path, "CMD"))
-    operator_command = prefill_command(SPEC) if name == "prefill" else gateway_command()
+    operator_command = (pool_process(SPEC) if name == "prefill" else gateway_command()).argv
     assert operator_command[0] == "flowprefill"
     _cli_accepts(operator_command[1:])
 
@@ -114,7 +114,7 @@ def test_decode_image_and_connector() -> None:
     entry = exec_form(path, "ENTRYPOINT") + exec_form(path, "CMD")
     assert entry[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     decode = SPEC.model_copy(update={"role": "decode", "engine": None})
-    command = decode_command(decode)
+    command = pool_process(decode).argv
     assert command[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
     for argv in (entry, command):
         config = json.loads(argv[argv.index("--kv-transfer-config") + 1])

@@ -117,6 +117,7 @@ BAD_POOLS = [
     ({"engine": {"batchTokenBudget": 0}}, "batchTokenBudget"),
     ({"engine": {"chunkSize": 8192, "batchTokenBudget": 4096}}, "chunkSize must not exceed"),
     ({"engine": {"tpSize": 4}, "resources": {"gpusPerPod": 2}}, "engine.tpSize needs"),
+    ({"engine": {"tpSize": 2}, "resources": {"gpusPerPod": 2}}, "engine.tpSize must be at most 1"),
     ({"role": "decode", "engine": {}}, "engine applies to role=prefill"),
     ({"vllmArgs": ["--foo"]}, "vllmArgs applies to role=decode"),
     ({"model": {"path": "/data/m", "pvc": {"claimName": "w"}}}, "path must lie under pvc"),
@@ -144,6 +145,14 @@ def test_bad_pools_are_refused_by_schema_cel_and_model(
         assert any(message in e for e in errors), errors
     # The operator's parser refuses the same objects (for servers that admitted them).
     with pytest.raises(ValidationError):
+        ServingPoolSpec.model_validate(obj["spec"])
+
+
+def test_tensor_parallel_is_refused_naming_the_field(crd_schemas: Any) -> None:
+    """Until TP serving lands the CRD admits only what the engine runs: tpSize 1."""
+    obj = _pool(engine={"tpSize": 2, "device": "cpu"})
+    assert any("engine.tpSize must be at most 1" in e for e in validate_cr(obj, crd_schemas))
+    with pytest.raises(ValidationError, match=r"engine\.tpSize must be at most 1"):
         ServingPoolSpec.model_validate(obj["spec"])
 
 

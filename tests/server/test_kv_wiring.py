@@ -15,7 +15,7 @@ from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.models import load_model, named_model_dir
 from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.server.cli import add_arguments, kv_handoff
+from flowprefill.server.cli import add_arguments, kv_handoff, resolve_config
 from flowprefill.server.prefill import create_app
 from tests.helpers import serve_in_thread
 
@@ -26,8 +26,9 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_no_kv_dir_and_shared_dir_means_no_handoff() -> None:
-    assert kv_handoff(_args(), model_config=None) is None
+def test_no_kv_settings_means_no_handoff() -> None:
+    args = _args()
+    assert kv_handoff(resolve_config(args).kv, args.host, args.port, model_config=None) is None
 
 
 @pytest.mark.parametrize("transport", ["shared_dir", "http"])
@@ -38,14 +39,15 @@ def test_handoffs_are_written_and_deletable_through_the_server(
     model = load_model(named_model_dir("tiny-llama", cache_dir=tmp_path / "models"))
     argv = ["--kv-dir", str(tmp_path / "kv"), "--kv-transport", transport]
     argv += ["--host", "127.0.0.1", "--port", "8123"]
-    sink = kv_handoff(_args(*argv), model.config)
+    args = _args(*argv)
+    sink = kv_handoff(resolve_config(args).kv, args.host, args.port, model.config)
     assert sink is not None and sink.transport.root == tmp_path / "kv"
     with PreemptibleExecutor(model, granularity="operator") as executor:
         engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
         app = create_app(engine, kv_sink=sink, kv_store=sink.transport)
         with serve_in_thread(app) as url:
             body = {"request_id": "w1", "prompt_token_ids": list(range(1, 40))}
-            r = httpx.post(f"{url}/v1/prefill", json={**body, "ttft_budget_ms": 60_000})
+            r = httpx.post(f"{url}/v1/prefill", json={**body, "ttft_slo_s": 60.0})
             assert r.status_code == 200, r.text
             params = r.json()["kv_transfer_params"]["flowprefill"]
             assert params["handoff_id"] == "w1"
@@ -57,3 +59,14 @@ def test_handoffs_are_written_and_deletable_through_the_server(
             assert httpx.delete(f"{url}/v1/kv/w1").json() == {"handoff_id": "w1", "deleted": True}
             assert not (tmp_path / "kv" / "w1.kv.safetensors").exists()
             assert httpx.delete(f"{url}/v1/kv/w1").status_code == 404
+
+
+def test_command_line_overrides_engine_json_kv_section(tmp_path: Path) -> None:
+    from flowprefill.contracts import EngineConfig, KVHandoffSettings, KVTransport
+
+    config = EngineConfig(kv=KVHandoffSettings(transport="http", dir="/kv", max_age_s=60))
+    path = tmp_path / "engine.json"
+    path.write_text(config.model_dump_json())
+    kv = resolve_config(_args("--config", str(path), "--kv-max-age", "5")).kv
+    assert kv == KVHandoffSettings(transport=KVTransport.HTTP, dir="/kv", max_age_s=5)
+    assert resolve_config(_args("--config", str(path))).kv == config.kv

@@ -7,14 +7,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from flowprefill.contracts.deployment import OFFLINE_ENV
+from flowprefill.contracts.processes import ProcessSpec
+
 from .. import API_VERSION, MANAGED_BY
 from ..models import ServingPoolSpec
 
 Manifest = dict[str, Any]
 
-PREFILL_PORT = 8100
-DECODE_PORT = 8200
-GATEWAY_PORT = 8000
 CONFIG_HASH = "flowprefill.io/config-hash"
 POOL_LABEL = "flowprefill.io/pool"
 SERVICE_LABEL = "flowprefill.io/service"
@@ -91,22 +91,23 @@ def configmap(meta: dict[str, Any], data: dict[str, str]) -> Manifest:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
-def http_probes(port: str, *, ready_path: str, startup_s: int) -> dict[str, Any]:
-    """Liveness on /health, readiness on ``ready_path``; a startup probe covers model loading."""
+def http_probes(port: str, process: ProcessSpec, *, startup_s: int) -> dict[str, Any]:
+    """Liveness on the process's health path, readiness on its ready path; a startup probe
+    covers model loading."""
     return {
         "startupProbe": {
-            "httpGet": {"path": "/health", "port": port},
+            "httpGet": {"path": process.health_path, "port": port},
             "periodSeconds": 10,
             "failureThreshold": max(1, startup_s // 10),
         },
         "livenessProbe": {
-            "httpGet": {"path": "/health", "port": port},
+            "httpGet": {"path": process.health_path, "port": port},
             "periodSeconds": 10,
             "timeoutSeconds": 5,
             "failureThreshold": 3,
         },
         "readinessProbe": {
-            "httpGet": {"path": ready_path, "port": port},
+            "httpGet": {"path": process.ready_path, "port": port},
             "periodSeconds": 5,
             "timeoutSeconds": 3,
             "failureThreshold": 2,
@@ -145,5 +146,5 @@ def scratch_volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 SCRATCH_ENV = [
     {"name": "HOME", "value": "/tmp"},
     {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
-    {"name": "HF_HUB_OFFLINE", "value": "1"},
+    *({"name": k, "value": v} for k, v in OFFLINE_ENV.items()),
 ]

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models import Endpoint, GatewayConfig, SLOTable
+from flowprefill.contracts import Endpoint, GatewayConfig, SLOTable
+from flowprefill.contracts.deployment import (
+    GATEWAY_CONFIG_PATH,
+    GATEWAY_PORT,
+    SLO_DIR,
+    SLO_TABLE_FILE,
+)
+from flowprefill.contracts.processes import ProcessSpec, gateway_process
+
 from ..settings import OperatorSettings
 from .common import (
     CONFIG_HASH,
-    GATEWAY_PORT,
     SCRATCH_ENV,
     Manifest,
     PoolRef,
@@ -23,11 +30,7 @@ from .common import (
     owner_reference,
     pod_security_context,
 )
-from .pool import model_volume, pool_port
-
-GATEWAY_CONFIG_PATH = "/etc/flowprefill/gateway.json"
-SLO_DIR = "/etc/flowprefill/slo"
-SLO_TABLE_FILE = "slo-table.json"
+from .pool import IMAGE, model_volume, pool_port
 
 
 def gateway_name(service: str) -> str:
@@ -44,13 +47,13 @@ def gateway_url(service: str, namespace: str, settings: OperatorSettings) -> str
     )
 
 
-def gateway_command() -> list[str]:
-    return [
-        "flowprefill", "serve-gateway",
-        "--config", GATEWAY_CONFIG_PATH,
-        "--slo-table", f"{SLO_DIR}/{SLO_TABLE_FILE}",
-        "--port", str(GATEWAY_PORT),
-    ]  # fmt: skip
+def gateway_command() -> ProcessSpec:
+    return gateway_process(
+        IMAGE,
+        gateway_config_path=GATEWAY_CONFIG_PATH,
+        slo_table_path=f"{SLO_DIR}/{SLO_TABLE_FILE}",
+        port=GATEWAY_PORT,
+    )
 
 
 def build_gateway_config(pools: list[PoolRef], settings: OperatorSettings) -> GatewayConfig:
@@ -58,8 +61,7 @@ def build_gateway_config(pools: list[PoolRef], settings: OperatorSettings) -> Ga
 
     def endpoint(pool: PoolRef) -> Endpoint:
         host = f"{pool.name}.{pool.namespace}.svc.{settings.cluster_domain}"
-        port = pool_port(pool.spec)
-        return Endpoint(pool=pool.name, host=host, port=port, url=f"http://{host}:{port}")
+        return Endpoint.at(pool.name, host, pool_port(pool.spec))
 
     ordered = sorted(pools, key=lambda p: p.name)
     return GatewayConfig(
@@ -119,17 +121,18 @@ def build_gateway_children(
     model_volumes, model_mounts = model_volume(tokenizer_pool(pools).spec)
     volumes += model_volumes
     mounts += model_mounts
+    process = gateway_command()
     container = {
         "name": "gateway",
         "image": settings.gateway_image,
         "imagePullPolicy": settings.image_pull_policy,
-        "command": gateway_command(),
-        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "command": process.argv,
+        "ports": [{"name": "http", "containerPort": process.port, "protocol": "TCP"}],
         "env": list(SCRATCH_ENV),
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
-        **http_probes("http", ready_path="/ready", startup_s=60),
+        **http_probes("http", process, startup_s=60),
     }
     deployment = {
         "apiVersion": "apps/v1",

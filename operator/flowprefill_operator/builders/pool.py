@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from ..models import EngineConfig, ServingPoolSpec
+from flowprefill.contracts import EngineConfig, KVHandoffSettings, KVTransport
+from flowprefill.contracts.deployment import (
+    DECODE_PORT,
+    ENGINE_CONFIG_PATH,
+    POD_IP_ENV,
+    PREFILL_PORT,
+    PROFILE_DIR,
+)
+from flowprefill.contracts.processes import (
+    Launcher,
+    ProcessSpec,
+    decode_process,
+    prefill_process,
+)
+
+from ..models import ServingPoolSpec
 from ..settings import OperatorSettings
 from .common import (
     CONFIG_HASH,
-    DECODE_PORT,
-    PREFILL_PORT,
     SCRATCH_ENV,
     Manifest,
     PoolRef,
@@ -27,20 +39,7 @@ from .common import (
     scratch_volumes,
 )
 
-ENGINE_CONFIG_PATH = "/etc/flowprefill/engine.json"
-# Read by `flowprefill serve-prefill` (flowprefill.server.kv_sink) and by the connector in
-# vLLM (flowprefill.kv.vllm_idle); spelled out so the operator imports neither.
-ADVERTISE_URL_ENV = "FLOWPREFILL_KV_ADVERTISE_URL"
-IDLE_SPIN_ENV = "FLOWPREFILL_VLLM_IDLE_SPIN_S"
-CPU_IDLE_SPIN_S = "0.005"  # = vllm_idle.CPU_IDLE_SPIN_S (0: decode 1.75x slower, docs/kv.md)
-PROFILE_DIR = "/etc/flowprefill/profile"
-KV_TRANSFER_CONFIG = {
-    "kv_connector": "FlowPrefillConnector",
-    "kv_connector_module_path": "flowprefill.kv.connector",
-    "kv_role": "kv_consumer",
-    # A load that fails (truncated download, swept file) recomputes; vLLM's default fails.
-    "kv_load_failure_policy": "recompute",
-}
+IMAGE = Launcher.image()
 
 
 def engine_configmap_name(pool_name: str) -> str:
@@ -65,40 +64,45 @@ def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
         tp_size=engine.tp_size,
         device=engine.device,
         dtype=engine.dtype,
+        kv=KVHandoffSettings(
+            transport=kv.transport, dir=kv.mount_path, max_age_s=kv.max_age_seconds
+        )
+        if (kv := spec.kv_handoff)
+        else None,
     )
 
 
-def prefill_command(spec: ServingPoolSpec) -> list[str]:
-    command = [
-        "flowprefill", "serve-prefill", "--config", ENGINE_CONFIG_PATH,
-        "--port", str(PREFILL_PORT),
-    ]  # fmt: skip
-    if kv := spec.kv_handoff:
-        command += ["--kv-dir", kv.mount_path, "--kv-max-age", str(kv.max_age_seconds)]
-        if kv.transport == "http":
-            command += ["--kv-transport", "http"]
-    return command
-
-
-def kv_transfer_config(spec: ServingPoolSpec) -> dict[str, Any]:
-    config: dict[str, Any] = dict(KV_TRANSFER_CONFIG)
-    if kv := spec.kv_handoff:
-        config["kv_connector_extra_config"] = (
-            {"transport": "http", "cache_dir": kv.mount_path}
-            if kv.transport == "http"
-            else {"shared_storage_path": kv.mount_path}
+def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
+    """The pool's container process, from the description ``flowprefill up`` renders too."""
+    kv = spec.kv_handoff
+    transport = KVTransport.parse(kv.transport) if kv else None
+    if spec.role == "prefill":
+        return prefill_process(
+            IMAGE,
+            engine_config_path=ENGINE_CONFIG_PATH,
+            port=PREFILL_PORT,
+            kv_transport=transport,
+            advertise_host=f"$({POD_IP_ENV})",
         )
-    return config
+    return decode_process(
+        IMAGE,
+        model_path=spec.model.path,
+        port=DECODE_PORT,
+        kv_transport=transport,
+        kv_path=kv.mount_path if kv else None,
+        cpu=spec.resources.gpus_per_pod == 0,
+        extra_args=spec.vllm_args,
+    )
 
 
-def decode_command(spec: ServingPoolSpec) -> list[str]:
-    return [
-        "python", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", spec.model.path,
-        "--port", str(DECODE_PORT),
-        "--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":")),
-        *spec.vllm_args,
-    ]  # fmt: skip
+def process_env(process: ProcessSpec) -> list[dict[str, Any]]:
+    """The process's environment as container env; a prefill pod advertises its own IP
+    (the Service name would land on any replica), so POD_IP comes first for $(POD_IP)."""
+    env: list[dict[str, Any]] = []
+    if any(f"$({POD_IP_ENV})" in v for v in process.env.values()):
+        env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    env += [{"name": k, "value": v} for k, v in process.env.items()]
+    return env
 
 
 def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -112,20 +116,6 @@ def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[st
     else:
         volume = {"name": "kv", "persistentVolumeClaim": {"claimName": kv.claim_name}}
     return [volume], [{"name": "kv", "mountPath": kv.mount_path}]
-
-
-def kv_env(spec: ServingPoolSpec) -> list[dict[str, Any]]:
-    """Prefill over http advertises its pod IP, so decode pulls from the pod that has the KV
-    (the Service name would land on any replica). Decode on CPU nodes: vLLM's worker would
-    busy-wait a core for 1 s after every step; capped to 5 ms (flowprefill/kv/vllm_idle.py)."""
-    if spec.role == "decode" and spec.resources.gpus_per_pod == 0:
-        return [{"name": IDLE_SPIN_ENV, "value": CPU_IDLE_SPIN_S}]
-    if spec.role != "prefill" or not spec.kv_handoff or spec.kv_handoff.transport != "http":
-        return []
-    return [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": ADVERTISE_URL_ENV, "value": f"http://$(POD_IP):{PREFILL_PORT}"},
-    ]
 
 
 def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
@@ -181,9 +171,9 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
     kv_volumes, kv_mounts = kv_volume(spec)
     volumes += kv_volumes
     mounts += kv_mounts
+    process = pool_process(spec)
     if spec.role == "prefill":
         image = spec.image or settings.prefill_image
-        command = prefill_command(spec)
         volumes.append({"name": "engine", "configMap": {"name": engine_configmap_name(pool.name)}})
         mounts.append(
             {"name": "engine", "mountPath": ENGINE_CONFIG_PATH, "subPath": "engine.json",
@@ -193,21 +183,20 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
         if profile:
             volumes.append({"name": "profile", "configMap": {"name": profile.name}})
             mounts.append({"name": "profile", "mountPath": PROFILE_DIR, "readOnly": True})
-        probes = http_probes("http", ready_path="/ready", startup_s=900)
+        startup_s = 900
     else:
         image = spec.image or settings.decode_image
-        command = decode_command(spec)
-        probes = http_probes("http", ready_path="/health", startup_s=1800)
+        startup_s = 1800
     container: dict[str, Any] = {
         "name": spec.role,
         "image": image,
         "imagePullPolicy": settings.image_pull_policy,
-        "command": command,
-        "ports": [{"name": "http", "containerPort": pool_port(spec), "protocol": "TCP"}],
-        "env": [*SCRATCH_ENV, *kv_env(spec)],
+        "command": process.argv,
+        "ports": [{"name": "http", "containerPort": process.port, "protocol": "TCP"}],
+        "env": [*SCRATCH_ENV, *process_env(process)],
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
-        **probes,
+        **http_probes("http", process, startup_s=startup_s),
     }
     if resources := _resources(spec):
         container["resources"] = resources

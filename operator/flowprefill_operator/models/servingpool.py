@@ -6,7 +6,14 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from flowprefill.contracts.engine import MAX_TP_SIZE
+
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
+
+TP_REFUSED = (
+    f"engine.tpSize must be at most {MAX_TP_SIZE}: tensor-parallel serving is not supported "
+    "yet (docs/operator.md)"
+)
 
 Role = Literal["prefill", "decode"]
 Granularity = Literal["operator", "layer", "none"]
@@ -164,7 +171,8 @@ class EngineSettings(CRModel):
                 cel(
                     "!has(self.chunkSize) || self.chunkSize <= self.batchTokenBudget",
                     "chunkSize must not exceed batchTokenBudget",
-                )
+                ),
+                cel(f"!has(self.tpSize) || self.tpSize <= {MAX_TP_SIZE}", TP_REFUSED),
             ]
         }
     )
@@ -190,7 +198,13 @@ class EngineSettings(CRModel):
     ttft_profile: ConfigMapKeyRef | None = Field(
         default=None, description="ConfigMap key holding the fitted TTFT profile JSON."
     )
-    tp_size: int = Field(default=1, ge=1, le=16, description="Tensor-parallel degree.")
+    tp_size: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description=f"Tensor-parallel degree; at most {MAX_TP_SIZE} until tensor-parallel "
+        "serving lands (the engine refuses more).",
+    )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="Device the engine runs on.")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         default="bfloat16", description="Weights and activations dtype."
@@ -198,6 +212,8 @@ class EngineSettings(CRModel):
 
     @model_validator(mode="after")
     def _mirror_cel(self) -> EngineSettings:
+        if self.tp_size > MAX_TP_SIZE:
+            raise ValueError(f"{TP_REFUSED} (got {self.tp_size})")
         if self.chunk_size is not None and self.chunk_size > self.batch_token_budget:
             raise ValueError("chunkSize must not exceed batchTokenBudget")
         return self

@@ -1,0 +1,166 @@
+"""The processes of a deployment, described once and rendered by ``flowprefill up`` (child
+processes on one machine) and by the operator (containers in pods).
+
+A :class:`ProcessSpec` says what runs (argv after the launcher), which environment the
+product needs, the port, and the health and readiness paths. Where things live differs
+between the two renderers and is passed in: the :class:`Launcher` (an installed
+``flowprefill`` in an image, ``python -m flowprefill.cli`` locally), file paths, the
+listen host and the address decode uses to reach a prefill pod. Everything else —
+subcommands, flags, environment variable names, ports, probes, the connector config —
+comes from here, so the two cannot drift (tests/test_processes.py renders both and
+compares them).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flowprefill.contracts.deployment import (
+    CPU_VLLM_IDLE_SPIN_S,
+    DECODE_READY_PATH,
+    HEALTH_PATH,
+    KV_ADVERTISE_URL_ENV,
+    READY_PATH,
+    VLLM_IDLE_SPIN_ENV,
+)
+from flowprefill.contracts.kv import connector_config, kv_transfer_config
+from flowprefill.contracts.names import KVTransport, Role
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """How a renderer starts our CLI and vLLM's OpenAI server."""
+
+    flowprefill: tuple[str, ...]
+    vllm: tuple[str, ...]
+
+    @classmethod
+    def image(cls) -> Launcher:
+        """In the container images: the installed console script and the image's python."""
+        return cls(("flowprefill",), ("python", "-m", VLLM_SERVER_MODULE))
+
+    @classmethod
+    def local(cls) -> Launcher:
+        """On this machine: the running interpreter, so a venv needs no activation."""
+        return cls(
+            (sys.executable, "-m", "flowprefill.cli"), (sys.executable, "-m", VLLM_SERVER_MODULE)
+        )
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of a deployment: ``launcher + args``, the product's environment
+    (names from :mod:`flowprefill.contracts.deployment`), its port and probe paths."""
+
+    role: Role
+    launcher: tuple[str, ...]
+    args: tuple[str, ...]
+    port: int
+    ready_path: str
+    health_path: str = HEALTH_PATH
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.launcher, *self.args]
+
+
+def _listen(host: str | None, port: int) -> tuple[str, ...]:
+    # No --host: the servers' default, every interface (what a pod wants).
+    return ("--host", host, "--port", str(port)) if host else ("--port", str(port))
+
+
+def prefill_process(
+    launcher: Launcher,
+    *,
+    engine_config_path: str,
+    port: int,
+    host: str | None = None,
+    kv_transport: KVTransport | None = None,
+    advertise_host: str | None = None,
+) -> ProcessSpec:
+    """``flowprefill serve-prefill``: every setting is in ``engine.json``
+    (:class:`~flowprefill.contracts.engine.EngineConfig`), so the argv is only where that
+    file is and where to listen. With the ``http`` KV transport decode pulls hand-offs from
+    this process at ``http://<advertise_host>:<port>`` (in a pod: its IP, ``$(POD_IP)``)."""
+    env: dict[str, str] = {}
+    if kv_transport is KVTransport.HTTP:
+        if advertise_host is None:
+            raise ValueError("the http KV transport needs the address decode reaches prefill at")
+        env[KV_ADVERTISE_URL_ENV] = f"http://{advertise_host}:{port}"
+    return ProcessSpec(
+        role=Role.PREFILL,
+        launcher=launcher.flowprefill,
+        args=("serve-prefill", "--config", engine_config_path, *_listen(host, port)),
+        port=port,
+        ready_path=READY_PATH,
+        env=env,
+    )
+
+
+def decode_process(
+    launcher: Launcher,
+    *,
+    model_path: str,
+    port: int,
+    kv_transport: KVTransport | None,
+    kv_path: str | None = None,
+    host: str | None = None,
+    cpu: bool = False,
+    extra_args: Sequence[str] = (),
+) -> ProcessSpec:
+    """vLLM's OpenAI server loading hand-offs through the FlowPrefill connector.
+
+    ``kv_path``: the shared hand-off directory (``shared_dir``) or this instance's cache
+    of pulled hand-offs (``http``); no transport leaves the connector its defaults (the
+    shared directory of ``$FLOWPREFILL_KV_DIR``). On a CPU host the connector caps vLLM's
+    idle busy-wait (docs/kv.md), which a GPU node does not need."""
+    config = (
+        kv_transfer_config(kv_path, transport=kv_transport)
+        if kv_transport is not None
+        else connector_config()
+    )
+    args = [
+        "--model", model_path, *_listen(host, port),
+        "--kv-transfer-config", json.dumps(config, separators=(",", ":")),
+    ]  # fmt: skip
+    env = {VLLM_IDLE_SPIN_ENV: CPU_VLLM_IDLE_SPIN_S} if cpu else {}
+    return ProcessSpec(
+        role=Role.DECODE,
+        launcher=launcher.vllm,
+        args=(*args, *extra_args),
+        port=port,
+        ready_path=DECODE_READY_PATH,
+        env=env,
+    )
+
+
+def gateway_process(
+    launcher: Launcher,
+    *,
+    gateway_config_path: str,
+    slo_table_path: str,
+    port: int,
+    host: str | None = None,
+) -> ProcessSpec:
+    """``flowprefill serve-gateway`` with its ``gateway.json`` and the SLO table (reloaded
+    when the file changes)."""
+    return ProcessSpec(
+        role=Role.GATEWAY,
+        launcher=launcher.flowprefill,
+        args=(
+            "serve-gateway",
+            "--config",
+            gateway_config_path,
+            "--slo-table",
+            slo_table_path,
+            *_listen(host, port),
+        ),
+        port=port,
+        ready_path=READY_PATH,
+    )
