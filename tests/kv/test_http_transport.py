@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from flowprefill.contracts.deployment import KV_ADVERTISE_URL_ENV as ADVERTISE_URL_ENV
 from flowprefill.contracts.kv import HandoffRef, check_source_url, kv_transfer_config
 from flowprefill.engine import PrefillEngine
 from flowprefill.errors import KVFormatError, KVHandoffError, KVNotFoundError
@@ -31,7 +32,6 @@ from flowprefill.kv import (
 )
 from flowprefill.models import build_named
 from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.contracts.deployment import KV_ADVERTISE_URL_ENV as ADVERTISE_URL_ENV
 from flowprefill.server.kv_sink import advertise_url, directory_sink
 from flowprefill.server.prefill import create_app
 from tests.helpers import serve_in_thread

@@ -221,8 +221,8 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
 
 
 def test_http_kv_handoff_matches_what_the_connector_and_server_read() -> None:
-    from flowprefill.contracts.kv import kv_transfer_config as connector_config
     from flowprefill.contracts.deployment import KV_ADVERTISE_URL_ENV as ADVERTISE_URL_ENV
+    from flowprefill.contracts.kv import kv_transfer_config as connector_config
 
     d = DECODE.model_validate({**DECODE.wire(), "kvHandoff": {"transport": "http"}})
     command = _pod(d)["containers"][0]["command"]
