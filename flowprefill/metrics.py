@@ -9,6 +9,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from flowprefill.contracts.metrics import (
+    OUTCOME_LABEL,
+    PREFILL_REQUESTS,
+    PREFILL_TTFT,
+    SLO_CLASS_LABEL,
+    TTFT_BUCKETS_S,
+)
+
 # Operator-level blocking lives in the 0.1–10 ms range, layer-level up to ~100 ms here.
 BLOCKING_BUCKETS_S = (
     0.0001,
@@ -24,20 +32,6 @@ BLOCKING_BUCKETS_S = (
     0.25,
     0.5,
     1.0,
-)
-TTFT_BUCKETS_S = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
 )
 
 
@@ -83,15 +77,16 @@ class EngineMetrics:
             registry=r,
         )
         self.ttft = Histogram(
-            "flowprefill_prefill_ttft_seconds",
-            "Time from arrival at the prefill instance to the first token, by SLO class.",
-            ["slo_class"],
+            PREFILL_TTFT,
+            "Time from the request's arrival at the gateway to the first token, by SLO class.",
+            [SLO_CLASS_LABEL],
             buckets=TTFT_BUCKETS_S,
             registry=r,
         )
         self.requests = Counter(
-            "flowprefill_prefill_requests",
-            "Finished requests by SLO class and outcome (met, missed, failed, cancelled).",
-            ["slo_class", "outcome"],
+            PREFILL_REQUESTS,
+            "Finished requests by SLO class and outcome: met or missed the class's TTFT SLO "
+            "(from the gateway's arrival), failed, cancelled.",
+            [SLO_CLASS_LABEL, OUTCOME_LABEL],
             registry=r,
         )

@@ -1,0 +1,40 @@
+"""Prometheus metric names and label values that other processes read.
+
+The operator scrapes the gateway's SLO counters into SLOClass status, dashboards read the
+prefill instance's; both sides import the names from here. Names follow Prometheus
+conventions (``_seconds`` units; counters are exposed with a ``_total`` suffix).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Final
+
+
+class Outcome(StrEnum):
+    """``outcome`` label of the request counters: judged against the request's class SLO,
+    from the gateway's arrival (see :mod:`flowprefill.contracts.slo`)."""
+
+    MET = "met"
+    MISSED = "missed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @classmethod
+    def of(cls, met_slo: bool) -> Outcome:
+        return cls.MET if met_slo else cls.MISSED
+
+
+SLO_CLASS_LABEL: Final = "slo_class"
+OUTCOME_LABEL: Final = "outcome"
+
+# Gateway (flowprefill serve-gateway); the SLO counters feed SLOClass status.
+GATEWAY_SLO_REQUESTS: Final = "flowprefill_gateway_slo_requests"
+GATEWAY_TTFT: Final = "flowprefill_gateway_ttft_seconds"
+
+# Prefill instance (flowprefill serve-prefill).
+PREFILL_REQUESTS: Final = "flowprefill_prefill_requests"
+PREFILL_TTFT: Final = "flowprefill_prefill_ttft_seconds"
+
+TTFT_BUCKETS_S: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+"""Histogram buckets of every TTFT metric (the classes' SLOs span 0.25 s to 18 s)."""
