@@ -1,0 +1,54 @@
+"""Gateway controller: one gateway per service (Deployment, Service, gateway.json ConfigMap
+and the SLO table ConfigMap), owned jointly by the service's pools.
+
+It has no custom resource of its own and no kopf handlers: the pool and SLOClass
+controllers call :func:`sync_gateway` with what their indexes hold whenever one of its
+inputs (the service's pools, the namespace's classes) may have changed. Level-based: it
+converges the children to those inputs, and removes them when the service has no pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..builders import (
+    PoolRef,
+    SLOClassView,
+    Verdict,
+    build_gateway_children,
+    build_slo_table,
+    gateway_name,
+    slo_table_name,
+)
+from .common import Context
+
+
+@dataclass(frozen=True)
+class JudgedClasses:
+    """A namespace's SLOClasses with their verdicts and the API-key hashes of the Secrets
+    they reference (None: the Secret does not exist)."""
+
+    views: list[SLOClassView]
+    secrets: dict[str, list[str] | None]
+    verdicts: dict[str, Verdict]
+
+
+def sync_gateway(
+    ctx: Context, namespace: str, service: str, pools: list[PoolRef], classes: JudgedClasses
+) -> None:
+    """Apply the service's gateway children for ``pools`` (all of one service), or delete
+    them when ``pools`` is empty."""
+    with ctx.locks("gateway", namespace, service):
+        if not pools:
+            for kind, child in (
+                ("Deployment", gateway_name(service)),
+                ("Service", gateway_name(service)),
+                ("ConfigMap", gateway_name(service)),
+                ("ConfigMap", slo_table_name(service)),
+            ):
+                ctx.kube.delete(kind, namespace, child)
+            return
+        selectors = [p.spec.slo_class_selector for p in pools]
+        table = build_slo_table(classes.views, selectors, classes.verdicts, classes.secrets)
+        for manifest in build_gateway_children(pools, table, ctx.settings):
+            ctx.kube.apply(manifest)

@@ -1,0 +1,94 @@
+"""Attainment controller: scrapes the gateways' SLO counters and writes each SLOClass's
+observed attainment over the window (status ``attainment``, ``requestCount``,
+``windowSeconds``); it owns the :class:`~flowprefill_operator.attainment.AttainmentTracker`
+(kept in kopf's memo) and only those status fields.
+
+Gateways exist only where pools do, so the job runs on a timer of the pools (SLOClasses
+then need no timer and no finalizer), rate-limited to one scrape per namespace per half
+interval however many pools the namespace has.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from .. import MANAGED_BY
+from ..attainment import AttainmentTracker, fetch_text, scrape
+from ..builders.common import ROLE_LABEL
+from ..kube import ApiError
+from .common import POOLS, SETTINGS, Context, context, from_memo
+from .indexes import ClassEntry, class_index, classes_of
+
+log = logging.getLogger(__name__)
+
+
+def gateway_targets(ctx: Context, namespace: str) -> dict[str, str]:
+    """pod -> metrics URL of every running gateway pod in the namespace."""
+    labels = {"app.kubernetes.io/managed-by": MANAGED_BY, ROLE_LABEL: "gateway"}
+    targets = {}
+    for pod in ctx.kube.list("Pod", namespace, labels):
+        status = pod.get("status") or {}
+        ip = status.get("podIP")
+        if status.get("phase") != "Running" or not ip:
+            continue
+        port = 8000
+        for container in pod.get("spec", {}).get("containers", []):
+            for p in container.get("ports", []):
+                if p.get("name") == "http":
+                    port = int(p["containerPort"])
+        targets[pod["metadata"]["name"]] = f"http://{ip}:{port}/metrics"
+    return targets
+
+
+def refresh_attainment(ctx: Context, tracker: AttainmentTracker, namespace: str) -> dict[str, str]:
+    """Scrape the namespace's gateways unless a recent scrape exists; returns errors."""
+    with ctx.locks("scrape", namespace):
+        last = tracker.last_time(namespace)
+        now = time.monotonic()
+        if last is not None and now - last < ctx.settings.attainment_interval_s / 2:
+            return {}
+        timeout = ctx.settings.scrape_timeout_s
+        sample, errors = scrape(
+            gateway_targets(ctx, namespace), lambda url: fetch_text(url, timeout)
+        )
+        tracker.record(namespace, now, sample)
+        return errors
+
+
+def write_attainment(
+    ctx: Context, tracker: AttainmentTracker, namespace: str, classes: list[ClassEntry]
+) -> int:
+    """Fold the window's counts into every class of the namespace; returns the writes."""
+    refresh_attainment(ctx, tracker, namespace)
+    if tracker.sample_count(namespace) < 2:
+        return 0  # not enough samples for a window yet
+    window = tracker.window(namespace)
+    writes = 0
+    for entry in classes:
+        att = window.get(entry.name)
+        fields = {
+            "attainment": round(att.fraction, 4) if att and att.fraction is not None else None,
+            "requestCount": att.requests if att else 0,
+            "windowSeconds": int(ctx.settings.attainment_window_s),
+        }
+        if all(entry.status.get(k) == v for k, v in fields.items()):
+            continue
+        ctx.kube.patch("SLOClass", namespace, entry.name, {"status": fields}, sub="status")
+        writes += 1
+    return writes
+
+
+@kopf.timer(*POOLS, id="attainment", interval=SETTINGS.attainment_interval_s, initial_delay=1.0)
+def attainment(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
+    if namespace is None or body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    tracker = from_memo(memo, "attainment", AttainmentTracker)
+    classes = classes_of(class_index(kwargs), namespace)
+    try:
+        write_attainment(context(memo), tracker, namespace, classes)
+    except ApiError as e:
+        log.warning("attainment of %s not written (the next run retries): %s", namespace, e)

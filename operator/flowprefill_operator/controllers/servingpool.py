@@ -1,0 +1,271 @@
+"""ServingPool controller: a pool's own children (Deployment, Service, engine ConfigMap)
+and its status; then its service's gateway through the gateway controller.
+
+Level-based: the create/update/resume handlers and a timer run the same
+:func:`reconcile_pool` (parse, check references, build with the pure builders, apply,
+fold the children's state into status), so running it twice, or after a restart,
+changes nothing that is already right. The service's other pools and the namespace's
+classes come from the indexes; Events are returned as data and posted by the handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from ..builders import (
+    PoolRef,
+    build_pool_children,
+    gateway_url,
+    pool_selector,
+    selector_string,
+)
+from ..builders.pool import engine_configmap_name
+from ..kube import ApiError
+from ..models import ServingPoolSpec, ServingPoolStatus
+from ..status import Observed, Problem, fold_status
+from .common import (
+    POOLS,
+    SETTINGS,
+    Body,
+    Context,
+    Event,
+    context,
+    health,
+    now_rfc3339,
+    parse_status,
+    post,
+    retrying,
+    validation_message,
+)
+from .gateway import sync_gateway
+from .indexes import ClassEntry, class_index, classes_of, pool_index, pools_of
+from .sloclass import judge
+
+
+@dataclass
+class PoolResult:
+    """What one reconcile did: the status, whether it was written, the Events to post,
+    and the validation message when the spec is invalid (no children were applied)."""
+
+    status: ServingPoolStatus
+    changed: bool
+    invalid: str | None = None
+    events: list[Event] = field(default_factory=list)
+
+
+def status_events(before: ServingPoolStatus, after: ServingPoolStatus) -> list[Event]:
+    """A Warning when Degraded turns True (or changes reason), Normal when Ready turns True."""
+
+    def cond(s: ServingPoolStatus, t: str) -> tuple[str, str]:
+        c = next((c for c in s.conditions if c.type == t), None)
+        return (c.status, c.reason) if c else ("Unknown", "")
+
+    events = []
+    degraded = next(c for c in after.conditions if c.type == "Degraded")
+    if degraded.status == "True" and cond(before, "Degraded") != ("True", degraded.reason):
+        events.append(Event("Warning", degraded.reason, degraded.message))
+    ready = next(c for c in after.conditions if c.type == "Ready")
+    if ready.status == "True" and cond(before, "Ready")[0] != "True":
+        events.append(Event("Normal", "Ready", ready.message))
+    return events
+
+
+def preflight(ctx: Context, pool: PoolRef, peers: list[PoolRef]) -> list[Problem]:
+    """References that must exist for the pods to start (checked, not waited for)."""
+    kube, spec, ns = ctx.kube, pool.spec, pool.namespace
+    problems = []
+    if spec.model.pvc and not kube.get("PersistentVolumeClaim", ns, spec.model.pvc.claim_name):
+        problems.append(
+            Problem("ModelVolumeNotFound", f"PVC {spec.model.pvc.claim_name!r} not found")
+        )
+    kv = spec.kv_handoff
+    if kv and kv.claim_name and not kube.get("PersistentVolumeClaim", ns, kv.claim_name):
+        problems.append(Problem("KVVolumeNotFound", f"PVC {kv.claim_name!r} not found"))
+    problems += kv_mismatch(pool, peers)
+    profile = spec.engine.ttft_profile if spec.engine else None
+    if profile:
+        cm = kube.get("ConfigMap", ns, profile.name)
+        if cm is None:
+            problems.append(Problem("ProfileNotFound", f"ConfigMap {profile.name!r} not found"))
+        elif profile.key not in (cm.get("data") or {}):
+            problems.append(
+                Problem("ProfileNotFound", f"ConfigMap {profile.name!r} has no {profile.key!r}")
+            )
+    return problems
+
+
+def kv_mismatch(pool: PoolRef, peers: list[PoolRef]) -> list[Problem]:
+    """The service's pools of the other role must hand KV off the same way, or decode
+    silently recomputes every prompt (the hand-off never arrives)."""
+
+    def describe(p: PoolRef) -> str:
+        kv = p.spec.kv_handoff
+        if kv is None:
+            return "no kvHandoff"
+        return f"kvHandoff {kv.transport}" + (f" ({kv.claim_name})" if kv.claim_name else "")
+
+    def key(p: PoolRef) -> tuple[str, str | None] | None:
+        return p.spec.kv_handoff.key() if p.spec.kv_handoff else None
+
+    others = [
+        p
+        for p in peers
+        if p.name != pool.name and p.spec.role != pool.spec.role and key(p) != key(pool)
+    ]
+    if not others:
+        return []
+    theirs = ", ".join(f"{p.spec.role} pool {p.name!r} has {describe(p)}" for p in others)
+    return [Problem("KVHandoffMismatch", f"this pool has {describe(pool)} but {theirs}")]
+
+
+def reconcile_pool(
+    ctx: Context, body: Body, peers: list[PoolRef], classes: list[ClassEntry]
+) -> PoolResult:
+    """Converge one pool's children, its service's gateway and its status.
+
+    ``peers``: the pools of its service as indexed (this one included once its spec is
+    valid); ``classes``: the namespace's SLOClasses.
+    """
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    with ctx.locks("pool", namespace, name):
+        generation = meta.get("generation")
+        previous: ServingPoolStatus = parse_status(ServingPoolStatus, body.get("status"))
+        raw_spec = body.get("spec") or {}
+        selector = selector_string(pool_selector(name))
+        try:
+            spec = ServingPoolSpec.model_validate(raw_spec)
+        except ValidationError as e:
+            message = validation_message(e)
+            replicas = raw_spec.get("replicas")
+            observed = Observed(
+                generation=generation,
+                desired_replicas=replicas if isinstance(replicas, int) else 0,
+                deployment=ctx.kube.get("Deployment", namespace, name),
+                problems=[Problem("InvalidSpec", message, invalid_spec=True)],
+            )
+            status = fold_status(observed, previous, now_rfc3339(), selector=selector, gateway="")
+            return write_status(ctx, namespace, name, previous, status, invalid=message)
+
+        pool = PoolRef(name=name, namespace=namespace, uid=meta["uid"], spec=spec)
+        # The index may not hold this very version yet (a timer's body can be newer).
+        peers = sorted([p for p in peers if p.name != name] + [pool], key=lambda p: p.name)
+        problems = preflight(ctx, pool, peers)
+        for manifest in build_pool_children(pool, ctx.settings):
+            ctx.kube.apply(manifest)
+        sync_gateway(ctx, namespace, spec.service, peers, judge(ctx, namespace, classes))
+        observed = Observed(
+            generation=generation,
+            desired_replicas=spec.replicas,
+            deployment=ctx.kube.get("Deployment", namespace, name),
+            pods=ctx.kube.list("Pod", namespace, pool_selector(name)),
+            problems=problems,
+        )
+        status = fold_status(
+            observed,
+            previous,
+            now_rfc3339(),
+            selector=selector,
+            gateway=gateway_url(spec.service, namespace, ctx.settings),
+        )
+        return write_status(ctx, namespace, name, previous, status)
+
+
+def write_status(
+    ctx: Context,
+    namespace: str,
+    name: str,
+    previous: ServingPoolStatus,
+    status: ServingPoolStatus,
+    invalid: str | None = None,
+) -> PoolResult:
+    """Patch the status only when it changed (transition times are kept by fold_status)."""
+    changed = status.wire() != previous.wire()
+    if changed:
+        ctx.kube.patch("ServingPool", namespace, name, {"status": status.wire()}, sub="status")
+    return PoolResult(status, changed, invalid, status_events(previous, status))
+
+
+def delete_pool(ctx: Context, body: Body, peers: list[PoolRef], classes: list[ClassEntry]) -> None:
+    """Remove the pool's children now (the GC would too, via owner references) and drop
+    it from its service's gateway (``peers``: the service's remaining pools)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    with ctx.locks("pool", namespace, name):
+        ctx.kube.delete("Deployment", namespace, name)
+        ctx.kube.delete("Service", namespace, name)
+        ctx.kube.delete("ConfigMap", namespace, engine_configmap_name(name))
+    service = (body.get("spec") or {}).get("service")
+    if isinstance(service, str):
+        remaining = [p for p in peers if p.name != name]
+        sync_gateway(ctx, namespace, service, remaining, judge(ctx, namespace, classes))
+
+
+# ---- kopf handlers ---------------------------------------------------------------------
+# Handler ids are explicit: kopf keeps them in the objects' progress annotations, so they
+# must not change when a function is renamed.
+
+
+def _inputs(
+    body: kopf.Body, kwargs: dict[str, Any]
+) -> tuple[Body, list[PoolRef], list[ClassEntry]]:
+    """The body as a plain dict, the pools of its service and its namespace's classes."""
+    raw = dict(body)
+    namespace = raw["metadata"]["namespace"]
+    service = (raw.get("spec") or {}).get("service")
+    pools = pool_index(kwargs)
+    peers = pools_of(pools, namespace, service) if isinstance(service, str) else []
+    return raw, peers, classes_of(class_index(kwargs), namespace)
+
+
+@kopf.on.resume(*POOLS, id="reconcile_pool")
+@kopf.on.create(*POOLS, id="reconcile_pool")
+@kopf.on.update(*POOLS, id="reconcile_pool")
+def pool_changed(
+    body: kopf.Body,
+    retry: int,
+    memo: kopf.Memo,
+    **kwargs: Any,
+) -> None:
+    inputs = _inputs(body, kwargs)
+    result = retrying(retry, lambda: reconcile_pool(context(memo), *inputs))
+    post(body, result.events)
+    health(memo).reconciled()
+    if result.invalid:
+        raise kopf.PermanentError(f"invalid spec: {result.invalid}")
+
+
+@kopf.timer(*POOLS, id="refresh_pool", interval=SETTINGS.reconcile_interval_s, initial_delay=1.0)
+def refresh_pool(
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+    **kwargs: Any,
+) -> None:
+    """Re-apply the children (repairs drift) and fold their state into status."""
+    if body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    inputs = _inputs(body, kwargs)
+    try:
+        result = reconcile_pool(context(memo), *inputs)
+    except ApiError as e:
+        logger.warning("periodic reconcile failed (next run retries): %s", e)
+        return
+    post(body, result.events)
+    health(memo).reconciled()
+
+
+@kopf.on.delete(*POOLS, id="delete_pool")
+def pool_deleted(
+    body: kopf.Body,
+    retry: int,
+    memo: kopf.Memo,
+    **kwargs: Any,
+) -> None:
+    inputs = _inputs(body, kwargs)
+    retrying(retry, lambda: delete_pool(context(memo), *inputs))
