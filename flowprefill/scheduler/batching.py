@@ -6,8 +6,8 @@ admits a batch of exactly 4096). They differ in which deadlines they check:
 
 * ``slo-aware`` — the paper's Algorithm 1: a candidate joins while the predicted latency of
   the grown batch still fits in ``H``'s remaining time. Only the leader's deadline counts.
-* ``member-headroom`` — Algorithm 1 with two changes found by the simulator
-  (docs/simulator.md, "Beyond the paper": +11–25 % goodput over ``slo-aware``):
+* ``member-headroom`` — Algorithm 1 with two changes (+11–25 % goodput over ``slo-aware``
+  on the simulator; docs/simulator.md, "Beyond the paper"):
 
   - *every member's* deadline counts: a candidate joins only if the grown batch finishes
     before its own deadline as well as every member's so far, and a candidate that cannot
@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from flowprefill.errors import UnknownNameError
+from flowprefill.contracts.names import Batching
 from flowprefill.request import Request
 
 PredictFn = Callable[[int], float]
@@ -41,7 +41,7 @@ PredictFn = Callable[[int], float]
 
 
 class BatchingPolicy(Protocol):
-    name: str
+    name: Batching
 
     def form_batch(
         self,
@@ -57,7 +57,13 @@ class BatchingPolicy(Protocol):
 
 
 class SLOAwareBatching:
-    name = "slo-aware"
+    """Algorithm 1: a candidate joins while the grown batch fits the leader's remaining time.
+
+    ``fraction`` is the share of that time the batch may take (1 for the paper's rule).
+    """
+
+    name = Batching.SLO_AWARE
+    fraction = 1.0
 
     def form_batch(
         self,
@@ -69,19 +75,26 @@ class SLOAwareBatching:
         token_budget: int,
     ) -> list[Request]:
         batch = [leader]
-        remaining_s = leader.deadline_s - now_s
+        allowed_s = self.fraction * (leader.deadline_s - now_s)
         num_tokens = leader.num_tokens
         for r in candidates:
             grown = num_tokens + r.num_tokens
             # Budget is inclusive: a 4096-token budget admits a batch of exactly 4096.
-            if grown <= token_budget and remaining_s > predict_s(grown):
+            if grown <= token_budget and allowed_s > predict_s(grown):
                 batch.append(r)
                 num_tokens = grown
         return batch
 
 
+class HeadroomBatching(SLOAwareBatching):
+    """``slo-aware`` whose batches keep half of the leader's remaining time free."""
+
+    name = Batching.HEADROOM
+    fraction = 0.5
+
+
 class NoBatching:
-    name = "none"
+    name = Batching.NONE
 
     def form_batch(
         self,
@@ -98,7 +111,7 @@ class NoBatching:
 class GreedyBatching:
     """Fill the budget in queue order; stop at the first request that does not fit."""
 
-    name = "greedy"
+    name = Batching.GREEDY
 
     def form_batch(
         self,
@@ -122,7 +135,7 @@ class GreedyBatching:
 class MemberAwareBatching:
     """Every member's deadline counts; late leaders are batched with late requests."""
 
-    name = "member-aware"
+    name = Batching.MEMBER_AWARE
     fraction = 1.0
     """Share of the tightest member's remaining time the batch may take."""
 
@@ -160,38 +173,11 @@ class MemberAwareBatching:
 class MemberHeadroomBatching(MemberAwareBatching):
     """``member-aware`` whose batches also keep half the tightest member's slack free."""
 
-    name = "member-headroom"
+    name = Batching.MEMBER_HEADROOM
     fraction = 0.5
 
 
-class HeadroomBatching:
-    """Algorithm 1 that lets a batch take only half of the leader's remaining time."""
-
-    name = "headroom"
-    fraction = 0.5
-    """Share of the leader's remaining time a batch may take."""
-
-    def form_batch(
-        self,
-        leader: Request,
-        candidates: Iterable[Request],
-        *,
-        now_s: float,
-        predict_s: PredictFn,
-        token_budget: int,
-    ) -> list[Request]:
-        batch = [leader]
-        allowed_s = self.fraction * (leader.deadline_s - now_s)
-        num_tokens = leader.num_tokens
-        for r in candidates:
-            grown = num_tokens + r.num_tokens
-            if grown <= token_budget and allowed_s > predict_s(grown):
-                batch.append(r)
-                num_tokens = grown
-        return batch
-
-
-BATCHING: dict[str, type[BatchingPolicy]] = {
+BATCHING: dict[Batching, type[BatchingPolicy]] = {
     b.name: b
     for b in (
         SLOAwareBatching,
@@ -204,13 +190,6 @@ BATCHING: dict[str, type[BatchingPolicy]] = {
 }
 
 
-def batching_key(name: str) -> str:
-    """The registry key ``name`` stands for: case-insensitive, ``_`` for ``-``."""
-    return name.lower().replace("_", "-")
-
-
-def get_batching(name: str) -> BatchingPolicy:
-    cls = BATCHING.get(batching_key(name))
-    if cls is None:
-        raise UnknownNameError("batching policy", name, sorted(BATCHING))
-    return cls()
+def get_batching(name: str | Batching) -> BatchingPolicy:
+    """Build a batching policy by name, parsed by :meth:`Batching.parse`."""
+    return BATCHING[Batching.parse(name)]()

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from flowprefill.errors import UnknownNameError
+from flowprefill.contracts.names import Policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ def _signed_deadline_key(sign: int, entry: RankInput) -> SortKey:
 
 
 class PriorityPolicy(Protocol):
-    name: ClassVar[str]
+    name: ClassVar[Policy]
 
     def sort_key(self, entry: RankInput, now_s: float) -> SortKey:
         """Smaller runs first."""
@@ -63,7 +63,7 @@ class PriorityPolicy(Protocol):
 class SlackEDF:
     """S-EDF, the paper's policy (§5.2, eq. 3)."""
 
-    name: ClassVar[str] = "s-edf"
+    name: ClassVar[Policy] = Policy.S_EDF
 
     @staticmethod
     def slack_s(entry: RankInput, now_s: float) -> float:
@@ -79,7 +79,7 @@ class SlackEDF:
 class DeadlineEDF:
     """D-EDF (paper §6.3): requests whose deadline already passed get the lowest priority."""
 
-    name: ClassVar[str] = "d-edf"
+    name: ClassVar[Policy] = Policy.D_EDF
 
     def sort_key(self, entry: RankInput, now_s: float) -> SortKey:
         return _signed_deadline_key(_sgn(entry.deadline_s - now_s), entry)
@@ -89,7 +89,7 @@ class DeadlineEDF:
 
 
 class EDF:
-    name: ClassVar[str] = "edf"
+    name: ClassVar[Policy] = Policy.EDF
 
     def sort_key(self, entry: RankInput, now_s: float) -> SortKey:
         return (entry.deadline_s, entry.arrival_s, entry.seq)
@@ -99,7 +99,7 @@ class EDF:
 
 
 class FCFS:
-    name: ClassVar[str] = "fcfs"
+    name: ClassVar[Policy] = Policy.FCFS
 
     def sort_key(self, entry: RankInput, now_s: float) -> SortKey:
         return (entry.arrival_s, entry.seq)
@@ -108,12 +108,11 @@ class FCFS:
         return -entry.arrival_s
 
 
-POLICIES: dict[str, type[PriorityPolicy]] = {p.name: p for p in (SlackEDF, DeadlineEDF, EDF, FCFS)}
+POLICIES: dict[Policy, type[PriorityPolicy]] = {
+    p.name: p for p in (SlackEDF, DeadlineEDF, EDF, FCFS)
+}
 
 
-def get_policy(name: str) -> PriorityPolicy:
-    """Build a policy by name (case-insensitive): s-edf, d-edf, edf, fcfs."""
-    cls = POLICIES.get(name.lower().replace("_", "-"))
-    if cls is None:
-        raise UnknownNameError("scheduling policy", name, sorted(POLICIES))
-    return cls()
+def get_policy(name: str | Policy) -> PriorityPolicy:
+    """Build a policy by name, parsed by :meth:`Policy.parse` (``S_EDF`` is ``s-edf``)."""
+    return POLICIES[Policy.parse(name)]()

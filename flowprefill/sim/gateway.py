@@ -13,12 +13,18 @@ Admission (per instance, at arrival, before the request joins ``Q_w``):
   runnable entry with an earlier deadline that is not already late, predicted as one batch
   together with the new request (optimistic, so only clearly doomed requests go).
 
-Routing (across ``--instances`` prefill instances):
+Routing (across ``--instances`` prefill instances), by the gateway's names and rules
+(:class:`flowprefill.gateway.routing.InstancePool`):
 
 * ``round-robin`` — the baseline.
-* ``least-work`` — the instance with the fewest outstanding predicted tokens.
-* ``slack`` — the instance where the new request's queue-aware predicted slack is largest
-  (ties: the one with less outstanding work).
+* ``least-loaded`` — the instance with the fewest requests in flight.
+* ``slack-aware`` — the instance where the new request's predicted slack is largest:
+  ``deadline − now − predict_s(tokens due no later than it + its own)``, counting every
+  runnable entry due no later than it, late or not, as the gateway does (ties: the one
+  with less outstanding work).
+
+The simulator sees the instances' queues where the gateway tracks what it sent, so a
+running task counts only its remaining tokens here.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
-from flowprefill.errors import UnknownNameError
+from flowprefill.contracts import names
 from flowprefill.request import Request, Task
 from flowprefill.scheduler.core import Scheduler
 
@@ -43,15 +49,20 @@ def _remaining_tokens(item: Request | Task) -> float:
     return item.num_tokens * max(0.0, 1.0 - item.progress)
 
 
-def tokens_ahead(scheduler: Scheduler, request: Request, now_s: float) -> float:
-    """Remaining tokens of runnable entries due no later than ``request`` and not late."""
+def _num_requests(item: Request | Task) -> int:
+    return 1 if isinstance(item, Request) else len(item.requests)
+
+
+def tokens_ahead(scheduler: Scheduler, request: Request, now_s: float, *, skip_late: bool) -> float:
+    """Remaining tokens of runnable entries due no later than ``request``; with
+    ``skip_late``, not those already late (S-EDF sinks them below every feasible one)."""
     total = 0.0
     for item in scheduler.runnable():
         rank = scheduler.rank_input(item)
         if rank.deadline_s > request.deadline_s:
             continue
-        if rank.deadline_s - now_s - rank.predicted_remaining_s < 0:
-            continue  # already late: S-EDF sinks it below every feasible request
+        if skip_late and rank.deadline_s - now_s - rank.predicted_remaining_s < 0:
+            continue
         total += _remaining_tokens(item)
     return total
 
@@ -60,50 +71,57 @@ def outstanding_tokens(scheduler: Scheduler) -> float:
     return sum(_remaining_tokens(item) for item in scheduler.runnable())
 
 
-def queue_aware_slack_s(scheduler: Scheduler, request: Request, now_s: float) -> float:
-    ahead = tokens_ahead(scheduler, request, now_s)
+def num_in_flight(scheduler: Scheduler) -> int:
+    return sum(_num_requests(item) for item in scheduler.runnable())
+
+
+def queue_aware_slack_s(
+    scheduler: Scheduler, request: Request, now_s: float, *, skip_late: bool
+) -> float:
+    """``request``'s predicted slack behind the work :func:`tokens_ahead` counts."""
+    ahead = tokens_ahead(scheduler, request, now_s, skip_late=skip_late)
     return request.deadline_s - now_s - scheduler.predict_s(round(ahead) + request.num_tokens)
 
 
 class Admission(Protocol):
-    name: str
+    name: names.Admission
 
     def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool: ...
 
 
 class AdmitAll:
-    name = "none"
+    name = names.Admission.NONE
 
     def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool:
         return True
 
 
 class ShedInfeasible:
-    name = "shed-infeasible"
+    name = names.Admission.SHED_INFEASIBLE
 
     def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool:
         return request.deadline_s - now_s - scheduler.predict_s(request.num_tokens) >= 0
 
 
 class ShedQueue:
-    name = "shed-queue"
+    name = names.Admission.SHED_QUEUE
 
     def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool:
-        return queue_aware_slack_s(scheduler, request, now_s) >= 0
+        return queue_aware_slack_s(scheduler, request, now_s, skip_late=True) >= 0
 
 
-ADMISSIONS: dict[str, type[Admission]] = {a.name: a for a in (AdmitAll, ShedInfeasible, ShedQueue)}
+ADMISSIONS: dict[names.Admission, type[Admission]] = {
+    a.name: a for a in (AdmitAll, ShedInfeasible, ShedQueue)
+}
 
 
-def get_admission(name: str) -> Admission:
-    cls = ADMISSIONS.get(name.lower())
-    if cls is None:
-        raise UnknownNameError("admission policy", name, sorted(ADMISSIONS))
-    return cls()
+def get_admission(name: str | names.Admission) -> Admission:
+    """Build an admission policy by name, parsed by :meth:`names.Admission.parse`."""
+    return ADMISSIONS[names.Admission.parse(name)]()
 
 
 class Router(Protocol):
-    name: str
+    name: names.Router
 
     def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
         """Index of the instance that gets ``request``."""
@@ -111,7 +129,7 @@ class Router(Protocol):
 
 
 class RoundRobin:
-    name = "round-robin"
+    name = names.Router.ROUND_ROBIN
 
     def __init__(self) -> None:
         self._next = itertools.count()
@@ -120,32 +138,35 @@ class RoundRobin:
         return next(self._next) % len(instances)
 
 
-class LeastWork:
-    name = "least-work"
+class LeastLoaded:
+    name = names.Router.LEAST_LOADED
 
     def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
-        loads = [outstanding_tokens(x.scheduler) for x in instances]
+        loads = [num_in_flight(x.scheduler) for x in instances]
         return loads.index(min(loads))
 
 
 class SlackRouter:
-    name = "slack"
+    name = names.Router.SLACK_AWARE
 
     def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
         # Ties (e.g. the request would preempt whatever runs on either instance) go to the
         # instance with less outstanding work: it has less to block on and to catch up.
         keys = [
-            (queue_aware_slack_s(x.scheduler, request, now_s), -outstanding_tokens(x.scheduler))
+            (
+                queue_aware_slack_s(x.scheduler, request, now_s, skip_late=False),
+                -outstanding_tokens(x.scheduler),
+            )
             for x in instances
         ]
         return keys.index(max(keys))
 
 
-ROUTERS: dict[str, type[Router]] = {r.name: r for r in (RoundRobin, LeastWork, SlackRouter)}
+ROUTERS: dict[names.Router, type[Router]] = {
+    r.name: r for r in (SlackRouter, RoundRobin, LeastLoaded)
+}
 
 
-def get_router(name: str) -> Router:
-    cls = ROUTERS.get(name.lower())
-    if cls is None:
-        raise UnknownNameError("router", name, sorted(ROUTERS))
-    return cls()
+def get_router(name: str | names.Router) -> Router:
+    """Build a router by name, parsed by :meth:`names.Router.parse`."""
+    return ROUTERS[names.Router.parse(name)]()
