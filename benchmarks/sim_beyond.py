@@ -14,7 +14,8 @@ For Llama-3-8B/A100 on the QwenTrace-like workload (Poisson, and bursty gamma CV
 * FlowPrefill and ``fp-plus`` as the earlier engine ran them, with the running task's
   progress refreshed only when it parks (``--no-live-progress``; the engine now refreshes
   it every round, which every other row does);
-* routing over 2 prefill instances: round-robin vs least-work vs slack.
+* routing over 2 prefill instances: round-robin vs least-loaded vs slack-aware (the
+  gateway's routers).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ POLICIES = (
     "fp-shed-queue",
     "fp-nobatch",
 )
-ROUTERS = ("round-robin", "least-work", "slack")
+ROUTERS = ("round-robin", "least-loaded", "slack-aware")
 SINGLE = ("distserve-cp2k", "flowprefill", "fp-plus", "fp-nobatch", "fp-member", "fp-headroom")
 """Systems compared on the single-SLO ShareGPT-like workload."""
 EARLIER = ("flowprefill", "fp-plus")

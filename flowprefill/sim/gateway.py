@@ -20,8 +20,10 @@ Routing (across ``--instances`` prefill instances), by the gateway's names and r
 * ``least-loaded`` — the instance with the fewest requests in flight.
 * ``slack-aware`` — the instance where the new request's predicted slack is largest:
   ``deadline − now − predict_s(tokens due no later than it + its own)``, counting every
-  runnable entry due no later than it, late or not, as the gateway does (ties: the one
-  with less outstanding work).
+  runnable entry due no later than it, late or not, as the gateway does. Ties (the
+  request would run first on either instance) go to the instance with less outstanding
+  work; the gateway rotates among ties instead, which loses 12–14 % goodput here
+  (docs/simulator.md, "Beyond the paper").
 
 The simulator sees the instances' queues where the gateway tracks what it sent, so a
 running task counts only its remaining tokens here.
