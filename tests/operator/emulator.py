@@ -16,6 +16,7 @@ to it over HTTP like to any API server (``EmulatorThread.kubeconfig``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import datetime
 import itertools
@@ -97,6 +98,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         self._changed = asyncio.Condition()
         # plural -> HTTP statuses to answer the next writes of that resource with
         self.fail_next: dict[str, list[int]] = {}
+        # plural -> list requests served (watches not counted)
+        self.lists: collections.Counter[str] = collections.Counter()
 
     # ---- registration -----------------------------------------------------------------
 
@@ -197,6 +200,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         return out
 
     async def _list(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        assert request.resource is not None and request.resource.plural is not None
+        self.lists[request.resource.plural] += 1
         async with self._lock:
             items = self._matching(request)
             rv = str(self._current_rv())
@@ -426,6 +431,11 @@ class EmulatorThread:
         """Answer the next writes of one resource with these error statuses."""
         assert self.emulator is not None
         self.emulator.fail_next.setdefault(plural, []).extend(statuses)
+
+    def list_count(self, plural: str) -> int:
+        """How many list requests (not watches) of one resource were served so far."""
+        assert self.emulator is not None
+        return self.emulator.lists[plural]
 
     def write_kubeconfig(self, path: Path) -> Path:
         path.write_text(

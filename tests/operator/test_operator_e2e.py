@@ -183,6 +183,33 @@ def test_deleting_pools_removes_their_children(cluster: Cluster) -> None:
     assert cluster.names("SLOClass", ns) == {"chat"}  # classes are the user's, not children
 
 
+def test_reconciles_read_pools_and_classes_from_indexes(cluster: Cluster) -> None:
+    ns = "e2e-indexes"
+    create(cluster, slo("chat", 250, default=True), ns)
+    create(cluster, pool("m-prefill", "m"), ns)
+    create(cluster, pool("m-decode", "m", role="decode"), ns)
+    wait_for(lambda: cluster.kube.get("Deployment", ns, "m-gateway"), what="gateway")
+    lists = {p: cluster.emulator.list_count(p) for p in ("servingpools", "sloclasses")}
+    # Several timer periods of every pool of the module, an SLOClass edit and a new pool:
+    # kopf's watches keep the indexes current, so nothing lists these resources again.
+    cluster.kube.patch("SLOClass", ns, "chat", {"spec": {"ttftSloMs": 300}})
+    create(cluster, pool("m-prefill-2", "m"), ns)
+    wait_for(
+        lambda: (
+            len(
+                json.loads(cluster.get("ConfigMap", ns, "m-gateway")["data"]["gateway.json"])[
+                    "prefill"
+                ]
+            )
+            == 2
+            and cluster.table(ns, "m")["classes"][0]["ttft_slo_ms"] == 300
+        ),
+        what="gateway with both prefill pools and the edited class",
+    )
+    time.sleep(3)
+    assert {p: cluster.emulator.list_count(p) for p in lists} == lists
+
+
 def snapshot(c: Cluster, ns: str) -> dict[tuple[str, str], str]:
     return {
         (kind, o["metadata"]["name"]): o["metadata"]["resourceVersion"]
