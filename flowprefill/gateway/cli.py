@@ -7,16 +7,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowprefill.contracts import GatewayConfig
+from flowprefill.contracts.deployment import GATEWAY_PORT
 
 if TYPE_CHECKING:
-    from flowprefill.gateway.app import GatewayState
+    from flowprefill.gateway.state import GatewayState
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="gateway.json (flowprefill.contracts)")
     p.add_argument("--slo-table", required=True, help="slo-table.json; reloaded when it changes")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=GATEWAY_PORT)
     p.add_argument("--max-body-mb", type=float, default=32.0)
     p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds")
     p.add_argument(
@@ -35,10 +36,12 @@ def build_state(
 ) -> GatewayState:
     from transformers import AutoConfig, AutoTokenizer
 
-    from flowprefill.gateway.app import GatewayState, Tokenizer
     from flowprefill.gateway.classify import SLOTableFile
     from flowprefill.gateway.routing import InstancePool
-    from flowprefill.gateway.upstream import DecodeClient, PrefillClient, make_upstream_http
+    from flowprefill.gateway.state import GatewayState
+    from flowprefill.gateway.tokenizer import Tokenizer
+    from flowprefill.gateway.transport import make_upstream_http
+    from flowprefill.gateway.upstream import DecodeClient, PrefillClient
     from flowprefill.models import resolve_model_path
     from flowprefill.predictor.model import TTFTPredictor
 
@@ -63,7 +66,9 @@ def build_state(
             policy=config.prefill_routing,
             predict_s=predict,
         ),
-        decode_pool=InstancePool("decode", decode_urls, policy="least-loaded")
+        decode_pool=InstancePool(
+            "decode", decode_urls, policy=config.decode_routing, predict_s=predict
+        )
         if decode_urls
         else None,
         prefill_client=PrefillClient(client),
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from flowprefill.gateway.app import create_gateway_app
-    from flowprefill.server.errors import BodySizeLimit
+    from flowprefill.web.errors import BodySizeLimit
 
     config = GatewayConfig.model_validate_json(Path(args.config).read_text())
     state = build_state(config, args.slo_table, args.upstream_timeout, args.upstream_http)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from flowprefill.gateway.errors import GatewayError
 from flowprefill.metrics import TTFT_BUCKETS_S
 
 
@@ -43,3 +44,13 @@ class GatewayMetrics:
         self.table_reloads = Counter(
             "flowprefill_gateway_slo_table_reloads", "SLO table reloads.", registry=r
         )
+
+    def first_token(self, slo_class: str, *, ttft_s: float, met: bool, wait_s: float) -> None:
+        """A request's first token went to its client ``ttft_s`` after gateway arrival;
+        ``met`` is judged against the class SLO; ``wait_s`` was spent at prefill."""
+        self.ttft.labels(slo_class).observe(ttft_s)
+        self.slo_requests.labels(slo_class, "met" if met else "missed").inc()
+        self.queue_time.labels(slo_class).observe(wait_s)
+
+    def failed(self, err: GatewayError) -> None:
+        self.errors.labels(err.reason).inc()

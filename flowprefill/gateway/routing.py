@@ -1,6 +1,7 @@
 """Choosing a prefill (or decode) instance, and remembering which ones are healthy.
 
-Policies, by name:
+Policies (:class:`~flowprefill.contracts.names.Router`, chosen per pool in
+``gateway.json``: ``prefill_routing``, ``decode_routing``):
 
 * ``round-robin`` — the paper's proxy: the next healthy instance in turn.
 * ``slack-aware`` (default for prefill) — the instance where this request's predicted
@@ -8,13 +9,13 @@ Policies, by name:
   is the outstanding work *due before it*, not the whole queue: the predicted TTFT on an
   instance is ``predict(tokens due earlier + own tokens)``. This is tracked from the
   gateway's own in-flight requests (no extra round trips).
-* ``least-loaded`` — fewest in-flight requests (decode pools).
+* ``least-loaded`` (default for decode) — fewest in-flight requests; ties rotate.
 
 An instance that fails (connection error, 5xx) is taken out of rotation for a back-off
 that doubles per consecutive failure (1 s, 2 s, ... 30 s). When it expires, the next
 request may be sent there again: a refused connection is retried once on another instance
-(the gateway does this for prefill and decode), so probing a dead instance costs no
-request; a success clears the count.
+(:mod:`flowprefill.gateway.failover`), so probing a dead instance costs no request; a
+success clears the count.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flowprefill.errors import UnknownNameError
-
-ROUTING_POLICIES = ("slack-aware", "round-robin", "least-loaded")
+from flowprefill.contracts.names import Router
+from flowprefill.gateway.errors import NoHealthyInstanceError
 
 
 @dataclass(eq=False)
@@ -46,10 +46,6 @@ class Instance:
         return sum(n for d, n in self.in_flight.values() if d <= deadline_s)
 
 
-class NoHealthyInstanceError(RuntimeError):
-    """Every instance of a pool is down (the gateway answers 503)."""
-
-
 class InstancePool:
     """The instances of one role (prefill or decode) behind the gateway."""
 
@@ -58,18 +54,16 @@ class InstancePool:
         role: str,
         urls: list[str],
         *,
-        policy: str = "slack-aware",
+        policy: Router | str = Router.SLACK_AWARE,
         predict_s: Callable[[int], float] | None = None,
         clock: Callable[[], float] = time.monotonic,
         base_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
     ) -> None:
-        if policy not in ROUTING_POLICIES:
-            raise UnknownNameError("routing policy", policy, ROUTING_POLICIES)
         if not urls:
             raise ValueError(f"no {role} instances configured")
         self.role = role
-        self.policy = policy
+        self.policy = Router.parse(policy)
         self.instances = [Instance(u.rstrip("/")) for u in urls]
         self.predict_s = predict_s or (lambda n: n * 1e-4)
         self.clock = clock
@@ -91,13 +85,13 @@ class InstancePool:
     def pick(self, *, deadline_s: float, num_tokens: int) -> Instance:
         candidates = self.healthy()
         if not candidates:
-            raise NoHealthyInstanceError(f"no healthy {self.role} instance")
+            raise NoHealthyInstanceError(self.role)
         turn = next(self._rr)
-        if self.policy == "round-robin" or len(candidates) == 1:
+        if self.policy is Router.ROUND_ROBIN or len(candidates) == 1:
             return candidates[turn % len(candidates)]
         # Rotate the start so ties spread instead of always landing on the first one.
         rotated = candidates[turn % len(candidates) :] + candidates[: turn % len(candidates)]
-        if self.policy == "least-loaded":
+        if self.policy is Router.LEAST_LOADED:
             return min(rotated, key=lambda i: i.num_in_flight)
         now = self.clock()
         return max(

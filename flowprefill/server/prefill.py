@@ -2,12 +2,16 @@
 
 Endpoints:
 
-* ``POST /v1/prefill`` — body :class:`PrefillRequest`; answers when the request's prefill
-  finished with its first token and the KV hand-off parameters for decode. With
-  ``"stream": true`` the answer is server-sent events: the first token as soon as it
-  exists, then ``{"kv_transfer_params": ...}`` once the hand-off is written (``null`` if
-  writing failed: decode recomputes), then ``[DONE]`` — so the KV write is not on the
-  request's time to first token.
+* ``POST /v1/prefill`` — :mod:`flowprefill.contracts.prefill_api`: a
+  :class:`~flowprefill.contracts.prefill_api.PrefillRequest` (the class's ``ttft_slo_s``
+  and the ``elapsed_s`` since gateway arrival) is answered, when its prefill produced the
+  first token, with a :class:`~flowprefill.contracts.prefill_api.PrefillResponse`:
+  ``ttft_s`` from gateway arrival and ``met_slo`` against the class SLO, as the engine
+  judged them (the outcome metric uses the same), and the KV hand-off for decode. With
+  ``"stream": true`` the answer is server-sent events: the response as soon as the first
+  token exists, then a :class:`~flowprefill.contracts.prefill_api.KVHandoffEvent` once
+  the hand-off is written (``null`` if writing failed: decode recomputes), then
+  ``[DONE]`` — so the KV write is not on the request's time to first token.
 * ``GET /v1/kv/{id}``, ``DELETE /v1/kv/{id}`` — with the ``http`` KV transport: the
   hand-off file (streamed; ``Range`` requests answered, so decode reads the header alone)
   and its removal once decode is done. 404 when it is absent (never written, consumed or
@@ -24,26 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import (
-    FileResponse,
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from flowprefill.engine import PrefillEngine, PrefillResult
+from flowprefill.contracts.deployment import KV_HTTP_PATH, PREFILL_API_PATH
+from flowprefill.contracts.prefill_api import KVHandoffEvent, PrefillRequest, PrefillResponse
+from flowprefill.engine import PrefillEngine
 from flowprefill.errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -51,56 +47,13 @@ from flowprefill.errors import (
     TaskCancelledError,
 )
 from flowprefill.kv import SharedDirTransport
-from flowprefill.server.errors import error_response, install_error_handlers
 from flowprefill.server.kv_sink import KVSink
+from flowprefill.web.disconnect import ClientDisconnected, unless_disconnected
+from flowprefill.web.errors import error_response, install_error_handlers
+from flowprefill.web.probes import add_probe_routes
+from flowprefill.web.sse import DONE, MEDIA_TYPE, sse_event
 
 log = logging.getLogger(__name__)
-
-
-class PrefillRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    request_id: str = Field(min_length=1, max_length=256, description="Unique per request.")
-    prompt_token_ids: list[int] = Field(description="The tokenized prompt.")
-    ttft_budget_ms: float = Field(
-        gt=0, description="Time left until the request's TTFT deadline, as the gateway saw it."
-    )
-    slo_class: str = Field("default", max_length=128, description="SLO class name (metrics).")
-    hand_off_kv: bool = Field(True, description="Write the KV hand-off for decode.")
-    stream: bool = Field(
-        False,
-        description="Answer as server-sent events: the first token at once, the KV hand-off "
-        "parameters when written.",
-    )
-
-
-class PrefillResponse(BaseModel):
-    request_id: str
-    first_token_id: int
-    num_prompt_tokens: int
-    queue_and_prefill_ms: float = Field(description="Arrival here → first token.")
-    met_slo: bool
-    num_preemptions: int
-    batch_size: int
-    kv_transfer_params: dict[str, Any] | None = Field(
-        None, description="What decode needs to load this request's KV cache."
-    )
-
-
-async def _wait_unless_disconnected(request: Request, fut: Future[PrefillResult]) -> bool:
-    """Wait for ``fut``; return False if the client went away first."""
-    result: asyncio.Future[Any] = asyncio.wrap_future(fut)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    return result in done
 
 
 class _KVFileResponse(FileResponse):
@@ -128,23 +81,26 @@ def create_app(
     app = FastAPI(title="FlowPrefill prefill instance", lifespan=lifespan)
     install_error_handlers(app)
 
-    @app.post("/v1/prefill", response_model=PrefillResponse)
+    @app.post(PREFILL_API_PATH, response_model=PrefillResponse)
     async def prefill(body: PrefillRequest, request: Request) -> Any:
         try:
             fut = engine.submit(
                 body.prompt_token_ids,
-                ttft_slo_s=body.ttft_budget_ms / 1e3,
+                ttft_slo_s=body.ttft_slo_s,
+                elapsed_s=body.elapsed_s,
                 slo_class=body.slo_class,
                 request_id=body.request_id,
             )
         except EngineClosedError as e:
             return error_response(503, str(e), "service_unavailable")
-        if not await _wait_unless_disconnected(request, fut):
+        try:
+            # Shielded: the engine owns its future (it must stay settable); a client gone
+            # cancels the request in the engine instead, which then fails the future.
+            res = await unless_disconnected(request, asyncio.shield(asyncio.wrap_future(fut)))
+        except ClientDisconnected:
             engine.cancel(body.request_id)
             log.info("client gone: cancelled %s", body.request_id)
             return error_response(499, "client closed the request", "cancelled")
-        try:
-            res = fut.result()
         except TaskCancelledError as e:
             return error_response(499, str(e), "cancelled")
         except EngineClosedError as e:
@@ -158,7 +114,7 @@ def create_app(
             request_id=res.request_id,
             first_token_id=int(res.output.first_token_id),
             num_prompt_tokens=int(res.output.num_prompt_tokens),
-            queue_and_prefill_ms=res.ttft_s * 1e3,
+            ttft_s=res.ttft_s,
             met_slo=res.met_slo,
             num_preemptions=res.num_preemptions,
             batch_size=res.batch_size,
@@ -186,12 +142,12 @@ def create_app(
         if body.stream:
 
             async def events() -> AsyncIterator[str]:
-                yield f"data: {answer.model_dump_json()}\n\n"
+                yield sse_event(answer)
                 if write_kv:
-                    yield f"data: {json.dumps({'kv_transfer_params': await hand_off()})}\n\n"
-                yield "data: [DONE]\n\n"
+                    yield sse_event(KVHandoffEvent(kv_transfer_params=await hand_off()))
+                yield DONE
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type=MEDIA_TYPE)
         if write_kv:
             answer.kv_transfer_params = await hand_off()
         return answer
@@ -199,22 +155,11 @@ def create_app(
     if kv_store is not None:
         _add_kv_routes(app, kv_store)
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        if engine.accepting:
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "draining"}, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(
-            generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
-
+    add_probe_routes(
+        app,
+        not_ready=lambda: None if engine.accepting else "draining",
+        registry=engine.metrics.registry,
+    )
     return app
 
 
@@ -234,7 +179,7 @@ def _add_kv_routes(app: FastAPI, store: SharedDirTransport) -> None:
             )
         return str(path), st
 
-    @app.get("/v1/kv/{handoff_id}")
+    @app.get(KV_HTTP_PATH + "{handoff_id}")
     async def get_kv(handoff_id: str) -> Response:
         found = locate(handoff_id)
         if isinstance(found, JSONResponse):
@@ -244,7 +189,7 @@ def _add_kv_routes(app: FastAPI, store: SharedDirTransport) -> None:
         # older than the sweep age only) drops the connection, which decode reports.
         return _KVFileResponse(path, stat_result=st, media_type="application/octet-stream")
 
-    @app.delete("/v1/kv/{handoff_id}")
+    @app.delete(KV_HTTP_PATH + "{handoff_id}")
     async def delete_kv(handoff_id: str) -> Any:
         found = locate(handoff_id)
         if isinstance(found, JSONResponse):

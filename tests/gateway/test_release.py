@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from flowprefill.contracts import Endpoint, GatewayConfig
+from flowprefill.contracts.kv import HandoffRef
 from flowprefill.gateway.app import create_gateway_app
 from flowprefill.gateway.cli import build_state
 from flowprefill.models import named_model_dir
@@ -52,10 +53,12 @@ def upstream_app(u: Upstreams) -> FastAPI:
             "request_id": body["request_id"],
             "first_token_id": u.first_token,
             "num_prompt_tokens": len(body["prompt_token_ids"]),
-            "queue_and_prefill_ms": 1.0,
+            "ttft_s": body["elapsed_s"] + 0.001,
+            "met_slo": True,
+            "num_preemptions": 0,
+            "batch_size": 1,
         }
-        params = {"flowprefill": {"version": 1, "handoff_id": body["request_id"]}}
-        params["flowprefill"]["source"] = u.source
+        params = HandoffRef(body["request_id"], source=u.source or None).to_params()
 
         async def events() -> AsyncIterator[str]:
             yield f"data: {json.dumps(answer)}\n\n"

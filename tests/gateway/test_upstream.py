@@ -18,13 +18,11 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from flowprefill.gateway.upstream import (
-    DecodeClient,
-    PrefillClient,
-    UpstreamError,
-    UpstreamHTTP,
-    make_upstream_http,
-)
+from flowprefill.contracts.kv import HandoffRef
+from flowprefill.contracts.prefill_api import PrefillRequest
+from flowprefill.gateway.errors import UpstreamError
+from flowprefill.gateway.transport import UpstreamHTTP, make_upstream_http
+from flowprefill.gateway.upstream import DecodeClient, PrefillClient
 from tests.helpers import free_port, serve_in_thread
 
 try:
@@ -61,13 +59,17 @@ def stub(seen: Seen) -> FastAPI:
                     seen.disconnected.set()
                     break
                 await asyncio.sleep(0.05)
+        n = len(body["prompt_token_ids"])
         answer = {
             "request_id": body["request_id"],
-            "first_token_id": len(body["prompt_token_ids"]),
-            "num_prompt_tokens": len(body["prompt_token_ids"]),
-            "queue_and_prefill_ms": 1.5,
+            "first_token_id": n,
+            "num_prompt_tokens": n,
+            "ttft_s": body["elapsed_s"] + 0.0015,
+            "met_slo": True,
+            "num_preemptions": 0,
+            "batch_size": 1,
         }
-        kv = {"kv_transfer_params": {"k": body["slo_class"]}}
+        kv = {"kv_transfer_params": HandoffRef(f"{body['slo_class']}-{n}", n).to_params()}
         if not body.get("stream"):
             return {**answer, **kv}
 
@@ -141,15 +143,23 @@ async def http(request: pytest.FixtureRequest) -> AsyncIterator[UpstreamHTTP]:
     await h.aclose()
 
 
-async def prefill(http: UpstreamHTTP, url: str, fail: str | None = None) -> Any:
-    return await PrefillClient(http).prefill(
-        url,
-        request_id="r1",
-        token_ids=[1, 2, 3],
-        ttft_budget_ms=100.0,
+def request(rid: str = "r1", token_ids: tuple[int, ...] = (1, 2, 3), stream: bool = True) -> Any:
+    return PrefillRequest(
+        request_id=rid,
+        prompt_token_ids=list(token_ids),
+        ttft_slo_s=0.5,
+        elapsed_s=0.2,
         slo_class="chat",
-        headers={"x-fail": fail} if fail else {},
+        hand_off_kv=stream,
+        stream=stream,
     )
+
+
+HANDOFF = HandoffRef("chat-3", 3)
+
+
+async def prefill(http: UpstreamHTTP, url: str, fail: str | None = None) -> Any:
+    return await PrefillClient(http).prefill(url, request(), {"x-fail": fail} if fail else {})
 
 
 async def decode(http: UpstreamHTTP, url: str, fail: str | None = None, n: int = 4) -> list:
@@ -161,7 +171,7 @@ async def decode(http: UpstreamHTTP, url: str, fail: str | None = None, n: int =
             prompt_token_ids=[1, 2],
             max_tokens=n,
             sampling={},
-            kv_transfer_params=None,
+            handoff=None,
             headers={"x-fail": fail} if fail else {},
             request_id="r1",
         )
@@ -175,7 +185,8 @@ async def test_answers_parsed_and_connections_kept_alive(
     seen.client_ports.clear()
     for _ in range(3):
         a = await prefill(http, url)
-        assert (a.first_token_id, a.prefill_ms, await a.hand_off()) == (3, 1.5, {"k": "chat"})
+        assert (a.first_token_id, await a.hand_off()) == (3, HANDOFF)
+        assert a.wait_s == pytest.approx(0.0015)  # ttft_s from gateway arrival - elapsed_s
         deltas = await decode(http, url)
         assert "".join(d.text for d in deltas) == " é0 é1 é2 é3"
         assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
@@ -192,7 +203,7 @@ async def test_first_token_comes_before_the_kv_hand_off(
     a = await prefill(http, url, "kv-slow")  # the hand-off event comes 1 s after the token
     assert a.first_token_id == 3
     assert time.monotonic() - t0 < 0.8
-    assert await a.hand_off() == {"k": "chat"}
+    assert await a.hand_off() == HANDOFF
     assert time.monotonic() - t0 >= 1.0
 
 
@@ -210,16 +221,9 @@ async def test_without_a_hand_off_the_answer_is_one_json_body(
     http: UpstreamHTTP, upstream: tuple[str, Seen]
 ) -> None:
     url, _ = upstream
-    a = await PrefillClient(http).prefill(
-        url,
-        request_id="r2",
-        token_ids=[1, 2],
-        ttft_budget_ms=100.0,
-        slo_class="chat",
-        headers={},
-        hand_off_kv=False,
-    )
-    assert (a.first_token_id, a.kv_pending, await a.hand_off()) == (2, None, {"k": "chat"})
+    a = await PrefillClient(http).prefill(url, request("r2", (1, 2), stream=False), {})
+    assert (a.first_token_id, a.kv_pending) == (2, None)
+    assert await a.hand_off() == HandoffRef("chat-2", 2)
 
 
 async def test_upstream_errors_become_gateway_statuses(
@@ -286,7 +290,7 @@ async def test_cancelled_request_closes_its_upstream_connection(
         prompt_token_ids=[1],
         max_tokens=50,
         sampling={},
-        kv_transfer_params=None,
+        handoff=None,
         headers={"x-fail": "slow"},
         request_id="r2",
     )

@@ -58,7 +58,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
             body = {
                 "request_id": f"r{i}",
                 "prompt_token_ids": [1 + (i + j) % 2000 for j in range(8000)],
-                "ttft_budget_ms": 60_000,
+                "ttft_slo_s": 60.0,
             }
             return httpx.post(f"{url}/v1/prefill", json=body, timeout=120).status_code
 
@@ -72,7 +72,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
                 httpx.post(
                     f"{url}/v1/prefill",
                     timeout=5,
-                    json={"request_id": "late", "prompt_token_ids": [1, 2], "ttft_budget_ms": 1000},
+                    json={"request_id": "late", "prompt_token_ids": [1, 2], "ttft_slo_s": 1.0},
                 )
             except httpx.HTTPError:
                 refused = True

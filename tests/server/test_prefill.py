@@ -17,8 +17,8 @@ from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.models import build_named
 from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.server.errors import BodySizeLimit
 from flowprefill.server.prefill import create_app
+from flowprefill.web.errors import BodySizeLimit
 from tests.helpers import serve_in_thread
 
 
@@ -36,11 +36,12 @@ def server(executor: PreemptibleExecutor) -> Iterator[tuple[str, PrefillEngine]]
         yield url, engine
 
 
-def body(rid: str, n: int = 16, budget_ms: float = 1000.0) -> dict:
+def body(rid: str, n: int = 16, ttft_slo_s: float = 1.0, elapsed_s: float = 0.0) -> dict:
     return {
         "request_id": rid,
         "prompt_token_ids": [(7 * i) % 2000 for i in range(n)],
-        "ttft_budget_ms": budget_ms,
+        "ttft_slo_s": ttft_slo_s,
+        "elapsed_s": elapsed_s,
         "slo_class": "chat",
     }
 
@@ -61,13 +62,42 @@ def test_prefill_answers_with_the_models_first_token(
     assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="chat"} 1.0' in metrics
 
 
+def test_met_slo_and_the_outcome_metric_judge_the_class_slo_from_gateway_arrival(
+    server: tuple[str, PrefillEngine],
+) -> None:
+    """``elapsed_s`` > 0: the budget left (``ttft_slo_s - elapsed_s``) differs from the class
+    SLO. A tiny prompt takes milliseconds here, so:
+
+    - class SLO 10 s, 6 s already spent: met (6 s + ms <= 10 s). Judging the time from
+      arrival against the budget left (6 s + ms <= 4 s) would say missed.
+    - class SLO 1 s, 1.5 s already spent (budget left negative): missed. Judging the time
+      at this instance alone against the class SLO (ms <= 1 s) would say met.
+    """
+    url, _ = server
+    cases = {"roomy": (10.0, 6.0, True), "late": (1.0, 1.5, False)}
+    for name, (slo_s, elapsed_s, met) in cases.items():
+        req = {**body(f"r-{name}", ttft_slo_s=slo_s, elapsed_s=elapsed_s), "slo_class": name}
+        r = httpx.post(f"{url}/v1/prefill", json=req, timeout=30)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["met_slo"] is met, (name, answer)
+        # ttft_s counts from the gateway's arrival: the time already spent, plus ours.
+        assert elapsed_s <= answer["ttft_s"] < elapsed_s + 2.0, (name, answer)
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="roomy"} 1.0' in metrics
+    assert 'flowprefill_prefill_requests_total{outcome="missed",slo_class="late"} 1.0' in metrics
+    assert 'outcome="missed",slo_class="roomy"' not in metrics
+    assert 'outcome="met",slo_class="late"' not in metrics
+
+
 @pytest.mark.parametrize(
     ("payload", "status", "needle"),
     [
         ("{not json", 400, "not valid JSON"),
-        (json.dumps({"request_id": "a", "ttft_budget_ms": 5}), 400, "prompt_token_ids"),
+        (json.dumps({"request_id": "a", "ttft_slo_s": 5}), 400, "prompt_token_ids"),
         (json.dumps({**body("a"), "prompt_token_ids": []}), 400, "empty"),
-        (json.dumps({**body("a"), "ttft_budget_ms": 0}), 400, "ttft_budget_ms"),
+        (json.dumps({**body("a"), "ttft_slo_s": 0}), 400, "ttft_slo_s"),
+        (json.dumps({**body("a"), "elapsed_s": -1}), 400, "elapsed_s"),
         (json.dumps(body("a", n=9000)), 400, "context"),
         (json.dumps({**body("a"), "prompt_token_ids": [1, 99999]}), 400, "vocabulary"),
         (json.dumps({**body("a"), "surprise": 1}), 400, "surprise"),
@@ -95,7 +125,7 @@ def test_bad_requests_get_openai_style_4xx(
 def test_client_disconnect_cancels_the_request(server: tuple[str, PrefillEngine]) -> None:
     url, engine = server
     host, port = url.removeprefix("http://").split(":")
-    payload = json.dumps(body("gone", n=8000, budget_ms=60_000)).encode()
+    payload = json.dumps(body("gone", n=8000, ttft_slo_s=60.0)).encode()
     # Occupy the engine with a long, urgent request so "gone" waits in the queue.
     with httpx.Client(timeout=60) as client:
         sock = socket.create_connection((host, int(port)))

@@ -1,0 +1,69 @@
+"""Stage 1 of the pipeline: admit an OpenAI request as a :class:`~flowprefill.gateway.job.Job`.
+
+Checks the model name (404), classifies into an SLO class
+(:mod:`flowprefill.gateway.classify`), tokenizes the prompt or chat, and refuses a prompt
+plus output budget over the context length (400 naming ``max_tokens`` or ``prompt``).
+Pure but for the tokenizer: no HTTP, no upstream.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+
+from flowprefill.contracts import SLOTable
+from flowprefill.gateway.classify import classify
+from flowprefill.gateway.errors import ClientError
+from flowprefill.gateway.job import Job
+from flowprefill.gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from flowprefill.gateway.tokenizer import Tokenizer
+
+
+def admit(
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    arrival_s: float,
+    headers: Mapping[str, str],
+    path: str,
+    model_name: str,
+    table: SLOTable,
+    tokenizer: Tokenizer,
+) -> Job:
+    """``headers`` must be case-insensitive (Starlette's are) or lower-cased. Raises
+    :class:`~flowprefill.gateway.errors.ClientError`, or
+    :class:`~flowprefill.errors.InvalidRequestError` when no class fits."""
+    if body.model != model_name:
+        raise ClientError(
+            404,
+            f"model {body.model!r} does not exist; this gateway serves {model_name!r}",
+            param="model",
+            type_="not_found_error",
+        )
+    classification = classify(
+        table, headers=headers, body_class=body.slo_class, model=body.model, path=path
+    )
+    if isinstance(body, ChatCompletionRequest):
+        token_ids = tokenizer.encode_chat(
+            [{"role": msg.role, "content": msg.text()} for msg in body.messages]
+        )
+    elif isinstance(body.prompt, str):
+        token_ids = tokenizer.encode_prompt(body.prompt)
+    else:
+        token_ids = list(body.prompt)
+    limit = tokenizer.max_model_len
+    if len(token_ids) + body.output_budget > limit:
+        raise ClientError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the prompt has "
+            f"{len(token_ids)} and max_tokens asks for {body.output_budget} more",
+            param="max_tokens" if len(token_ids) < limit else "prompt",
+        )
+    chat = isinstance(body, ChatCompletionRequest)
+    return Job(
+        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        kind="chat.completion" if chat else "text_completion",
+        body=body,
+        token_ids=token_ids,
+        classification=classification,
+        arrival_s=arrival_s,
+    )

@@ -1,0 +1,67 @@
+"""Stage 2 of the pipeline: the first token, from a prefill instance.
+
+Picks an instance (the pool's routing policy, with :mod:`~flowprefill.gateway.failover`)
+and sends it a :class:`~flowprefill.contracts.prefill_api.PrefillRequest` carrying the
+class's ``ttft_slo_s`` and the ``elapsed_s`` since gateway arrival. When decode will
+continue the request, prefill is asked to hand off the KV cache, streamed so that
+writing it is not on the time to first token. Records the first-token metrics: TTFT and
+``met``/``missed`` against the class SLO, both from gateway arrival.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flowprefill.contracts.prefill_api import PrefillRequest
+from flowprefill.gateway.failover import Placement, failover_call
+from flowprefill.gateway.job import Job
+from flowprefill.gateway.metrics import GatewayMetrics
+from flowprefill.gateway.routing import Instance, InstancePool
+from flowprefill.gateway.upstream import PrefillAnswer, PrefillClient
+
+
+class PrefillStage:
+    def __init__(
+        self,
+        pool: InstancePool,
+        client: PrefillClient,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+        *,
+        has_decode: bool,
+    ) -> None:
+        self.pool = pool
+        self.client = client
+        self.metrics = metrics
+        self.clock = clock
+        self.has_decode = has_decode
+
+    def request(self, job: Job, now_s: float) -> PrefillRequest:
+        """What a prefill instance is sent for ``job`` at ``now_s``."""
+        hand_off = self.has_decode and job.body.output_budget > 1
+        return PrefillRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.token_ids,
+            ttft_slo_s=job.ttft_slo_s,
+            elapsed_s=job.elapsed_s(now_s),
+            slo_class=job.slo.name,
+            hand_off_kv=hand_off,
+            stream=hand_off,
+        )
+
+    async def run(self, job: Job) -> PrefillAnswer:
+        """Raises :class:`~flowprefill.gateway.errors.GatewayError` subclasses."""
+
+        async def call(inst: Instance) -> PrefillAnswer:
+            now = self.clock()
+            return await self.client.prefill(
+                inst.url, self.request(job, now), job.upstream_hints(now)
+            )
+
+        work = Placement(job.request_id, job.deadline_s, len(job.token_ids))
+        answer = await failover_call(self.pool, work, call)
+        ttft_s = self.clock() - job.arrival_s
+        self.metrics.first_token(
+            job.slo.name, ttft_s=ttft_s, met=job.met_slo(ttft_s), wait_s=answer.wait_s
+        )
+        return answer

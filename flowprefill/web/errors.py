@@ -1,0 +1,135 @@
+"""OpenAI-style error bodies for every failure a client can cause.
+
+``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`` with a 4xx status for
+client mistakes (named precisely: which field, what was wrong) and 5xx for ours; never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from flowprefill.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    499: "cancelled",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, type_ or ERROR_TYPES.get(status, "error"), param),
+        status_code=status,
+        headers=headers,
+    )
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg', '')}", None
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+class BodySizeLimit:
+    """ASGI middleware: refuse bodies over ``max_bytes`` with 413 before reading them all."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            # Chunked bodies have no Content-Length: count as they stream in. FastAPI lets
+            # an HTTPException raised while reading the body through to the handlers.
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, self._message())
+            return msg
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"request body is larger than {self.max_bytes} bytes"
+
+    async def _reject(self, send: Send) -> None:
+        resp = error_response(413, self._message())
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(resp.body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": resp.body})
