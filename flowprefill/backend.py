@@ -44,7 +44,7 @@ def build_executor(
         granularity=config.granularity,
         chunk_size=config.chunk_size,
         device=config.device,
-        kernels=config.kernels,
+        kernels=config.resolved_kernels(),
     )
 
 

@@ -2,13 +2,13 @@
 
 A batch runs as one packed row (see :mod:`flowprefill.executor.packing`). Attention over
 that row with a block-diagonal mask would cost ``(Σ lengths)²`` and, with a mask, sdpa on
-CPU falls back from its flash kernel to the math path: measured here, a 4 × 1024-token batch
-took 5.7× longer in masked attention than four causal 1024-token calls. So attention runs
-per request *segment* instead: each request's queries attend to that request's keys with a
+CPU falls back from its flash kernel to the math path (a 4 × 1024-token batch takes 5.7×
+longer in masked attention than four causal 1024-token calls). So attention runs per
+request *segment* instead: each request's queries attend to that request's keys with a
 causal sdpa call, costing ``Σ lengths²`` on the fast kernel.
 
-The executor publishes the segments of the forward pass it is about to run in a
-thread-local (:func:`packed_segments`); transformers passes q/k/v for the whole row to
+The executor publishes the segments of the forward pass it is about to run in a thread
+slot (:func:`packed_segments`); transformers passes q/k/v for the whole row to
 :func:`packed_attention`, which splits them. Outside the executor (no segments on the
 thread) the function is plain sdpa, so the model still works for anything else. Projections,
 norms, RoPE and the KV cache are untouched: only the attention kernel call changes.
@@ -16,9 +16,8 @@ norms, RoPE and the KV cache are untouched: only the attention kernel call chang
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -27,22 +26,17 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flowprefill.executor.packing import Segment
+from flowprefill.executor.threadlocal import ThreadSlot
 
 PACKED_ATTENTION = "flowprefill_packed"
 
 
-_local = threading.local()
+_segments: ThreadSlot[Sequence[Segment] | None] = ThreadSlot(None)
 
 
-@contextmanager
-def packed_segments(segments: Sequence[Segment]) -> Iterator[None]:
+def packed_segments(segments: Sequence[Segment]) -> AbstractContextManager[None]:
     """Make ``segments`` the layout :func:`packed_attention` uses on this thread."""
-    previous = getattr(_local, "segments", None)
-    _local.segments = segments
-    try:
-        yield
-    finally:
-        _local.segments = previous
+    return _segments.bound(segments)
 
 
 def packed_attention(
@@ -61,7 +55,7 @@ def packed_attention(
     The model's own ``attention_mask`` is ignored while segments are published: they encode
     the block-diagonal causal pattern exactly.
     """
-    segments: Sequence[Segment] | None = getattr(_local, "segments", None)
+    segments = _segments.get()
     kwargs.pop("is_causal", None)
     if segments is None:
         out, _ = sdpa_attention_forward(

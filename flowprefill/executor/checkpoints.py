@@ -29,10 +29,9 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from flowprefill.errors import FlowPrefillError, UnknownNameError
+from flowprefill.contracts.names import Granularity
+from flowprefill.errors import FlowPrefillError
 from flowprefill.executor.preemption import checkpoint
-
-GRANULARITIES = ("operator", "layer", "none")
 
 _INSTALLED_ATTR = "_flowprefill_checkpoints"
 
@@ -150,7 +149,7 @@ class PlacedCheckpoint:
 class CheckpointHandle:
     """Installed checkpoints of one model; :meth:`remove` uninstalls them."""
 
-    granularity: str
+    granularity: Granularity
     placed: list[PlacedCheckpoint]
     _model: nn.Module
     _hooks: list[RemovableHandle] = field(default_factory=list)
@@ -175,10 +174,9 @@ class CheckpointHandle:
         self.remove()
 
 
-def check_granularity(granularity: str) -> str:
-    if granularity not in GRANULARITIES:
-        raise UnknownNameError("preemption granularity", granularity, GRANULARITIES)
-    return granularity
+def check_granularity(granularity: str | Granularity) -> Granularity:
+    """``granularity`` parsed by :meth:`Granularity.parse` (operator, layer or none)."""
+    return Granularity.parse(granularity)
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -198,13 +196,13 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return max(matching, key=lambda item: len(item[1]))
 
 
-def plan_checkpoints(model: nn.Module, granularity: str) -> list[PlacedCheckpoint]:
+def plan_checkpoints(model: nn.Module, granularity: str | Granularity) -> list[PlacedCheckpoint]:
     """Where checkpoints go, in the order they fire during a forward pass."""
-    check_granularity(granularity)
-    if granularity == "none":
+    granularity = check_granularity(granularity)
+    if granularity is Granularity.NONE:
         return []
     layers_path, layers = find_decoder_layers(model)
-    if granularity == "layer":
+    if granularity is Granularity.LAYER:
         return [
             PlacedCheckpoint(i, "layer", f"{layers_path}.{i}", pre=False)
             for i in range(len(layers))
@@ -247,7 +245,7 @@ def _resolve(layer: nn.Module, variant: Variant) -> list[tuple[Boundary, str]] |
 
 def install_checkpoints(
     model: nn.Module,
-    granularity: str = "operator",
+    granularity: str | Granularity = Granularity.OPERATOR,
     on_boundary: Callable[[], None] = checkpoint,
 ) -> CheckpointHandle:
     """Register the hooks for ``granularity``; remove them with ``handle.remove()``.
@@ -255,6 +253,7 @@ def install_checkpoints(
     ``on_boundary`` is what each hook calls. Installing twice on one model is refused: the
     second set would fire alongside the first and double every count.
     """
+    granularity = check_granularity(granularity)
     placed = plan_checkpoints(model, granularity)
     existing = getattr(model, _INSTALLED_ATTR, None)
     if existing is not None:

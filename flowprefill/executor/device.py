@@ -3,7 +3,7 @@
 On CPU every PyTorch op is synchronous: when a checkpoint hook runs, the operator before it
 has finished, and parking the thread leaves nothing behind. On CUDA, kernels are queued
 asynchronously: the Python thread reaches a checkpoint while the GPU may still be working
-through many operators queued earlier. Two consequences (paper §5.1, issue item 9):
+through many operators queued earlier. Two consequences (paper §5.1):
 
 - each task issues its work on its own ``torch.cuda.Stream``, so a parked task's queue and
   the urgent task's queue are separate and can be synchronised separately;
@@ -26,21 +26,21 @@ through many operators queued earlier. Two consequences (paper §5.1, issue item
     draining them is blocking time the urgent request pays. Pick this only when operator
     times are long compared with the sync cost and blocking time matters less.
 
-Nothing here has run on a GPU on this machine; the logic is tested on CPU through a fake
-backend (see tests/executor/test_device.py).
+The CUDA path is tested on CPU through a fake backend (tests/executor/test_device.py); it
+has not been run on a GPU.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Literal, Protocol
 
 import torch
 
 from flowprefill.errors import UnknownNameError
 from flowprefill.executor.preemption import checkpoint
+from flowprefill.executor.threadlocal import ThreadSlot
 
 SyncMode = Literal["every_check", "on_preempt"]
 SYNC_MODES: tuple[str, ...] = ("every_check", "on_preempt")
@@ -126,7 +126,7 @@ def backend_for(device: torch.device) -> DeviceBackend:
 
 
 # The per-check sync of the task running on this thread (every_check mode only).
-_local = threading.local()
+_sync: ThreadSlot[Callable[[], None] | None] = ThreadSlot(None)
 
 
 def synchronizing_checkpoint() -> None:
@@ -135,7 +135,7 @@ def synchronizing_checkpoint() -> None:
     Installed as the hook body instead of :func:`checkpoint` when the device is
     asynchronous and the mode is ``every_check``; threads with no task stream skip the sync.
     """
-    sync: Callable[[], None] | None = getattr(_local, "sync", None)
+    sync = _sync.get()
     if sync is not None:
         sync()
     checkpoint()
@@ -148,12 +148,6 @@ def boundary_fn(backend: DeviceBackend, mode: SyncMode) -> Callable[[], None]:
     return checkpoint
 
 
-@contextmanager
-def per_check_sync(sync: Callable[[], None] | None) -> Iterator[None]:
+def per_check_sync(sync: Callable[[], None] | None) -> AbstractContextManager[None]:
     """Make ``sync`` the per-checkpoint sync of this thread for the block."""
-    previous = getattr(_local, "sync", None)
-    _local.sync = sync
-    try:
-        yield
-    finally:
-        _local.sync = previous
+    return _sync.bound(sync)

@@ -1,14 +1,13 @@
 """Faster CPU kernels for the executor's forward pass: oneDNN linears on prepacked weights.
 
-On CPU, ``nn.Linear`` in float32 runs MKL's sgemm. On the AMD EPYC machines this project is
-developed on, MKL takes a slower code path than oneDNN (bundled with PyTorch): measured
-here, single-threaded, a ``[2048, 512] × [512, 1024]`` projection ran at ~68 GFLOP/s with
-MKL and ~90 GFLOP/s with oneDNN on a weight reordered once into oneDNN's blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the pair
-torch.compile's CPU backend uses for frozen linears). The decoder projections are most of
-a prefill's time, so this is the largest lever available without changing the model's
-arithmetic (still float32 FMAs, just a different summation order: results agree with MKL's
-to ~1e-6 relative, not bitwise).
+On CPU, ``nn.Linear`` in float32 runs MKL's sgemm. On AMD EPYC CPUs MKL takes a slower code
+path than oneDNN (bundled with PyTorch): single-threaded, a ``[2048, 512] × [512, 1024]``
+projection runs at ~68 GFLOP/s with MKL and ~90 GFLOP/s with oneDNN on a weight reordered
+once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` /
+``_linear_pointwise``, the pair torch.compile's CPU backend uses for frozen linears). The
+decoder projections are most of a prefill's time, so this is the largest lever available
+without changing the model's arithmetic (still float32 FMAs, just a different summation
+order: results agree with MKL's to ~1e-6 relative, not bitwise).
 
 :func:`install_fast_linears` packs the weight of every ``nn.Linear`` inside the decoder
 layers once and points the module's ``forward`` at a function that uses the packed weight
@@ -26,41 +25,32 @@ in place since packing silently falls back to ``F.linear``.
 
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.nn import functional
 
-from flowprefill.errors import UnknownNameError
+from flowprefill.contracts.deployment import KERNELS_ENV as KERNELS_ENV  # for older imports
+from flowprefill.contracts.names import Kernels
+from flowprefill.executor.threadlocal import ThreadSlot
 
-KERNELS = ("fast", "reference")
-KERNELS_ENV = "FLOWPREFILL_KERNELS"
-
-_local = threading.local()
-
-
-def resolve_kernels(kernels: str | None) -> str:
-    """``kernels`` if given, else ``$FLOWPREFILL_KERNELS``, else ``"fast"``; validated."""
-    name = kernels if kernels is not None else os.environ.get(KERNELS_ENV, "fast")
-    if name not in KERNELS:
-        raise UnknownNameError("executor kernel set", name, KERNELS)
-    return name
+_enabled = ThreadSlot(False)
 
 
-@contextmanager
-def fast_kernels(enabled: bool = True) -> Iterator[None]:
+def resolve_kernels(kernels: str | Kernels | None) -> Kernels:
+    """``kernels`` parsed by :meth:`Kernels.parse`; None means fast.
+
+    The executor reads no environment: ``$FLOWPREFILL_KERNELS`` is resolved once, by
+    :meth:`flowprefill.contracts.EngineConfig.resolved_kernels`."""
+    return Kernels.FAST if kernels is None else Kernels.parse(kernels)
+
+
+def fast_kernels(enabled: bool = True) -> AbstractContextManager[None]:
     """Let installed fast linears use their packed weights on this thread."""
-    previous = getattr(_local, "enabled", False)
-    _local.enabled = enabled
-    try:
-        yield
-    finally:
-        _local.enabled = previous
+    return _enabled.bound(enabled)
 
 
 def onednn_linear_supported(weight: torch.Tensor) -> bool:
@@ -98,7 +88,7 @@ def _packed_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
 
     def forward(input: torch.Tensor) -> torch.Tensor:
         if (
-            getattr(_local, "enabled", False)
+            _enabled.get()
             and input.dtype == torch.float32
             and module.weight is weight
             and weight._version == version

@@ -9,10 +9,10 @@ makes sure the device has finished the work issued so far, acknowledges, and par
 variable, activation and KV tensor of the task stays exactly as it was: resuming continues
 the same Python frame, so the result is bit-identical to an uninterrupted run.
 
-The hot path — a checkpoint with no signal — is one thread-local lookup, one attribute
-read and one integer increment; the lock is only taken when a signal is actually up.
+The hot path — a checkpoint with no signal — is one thread-slot read, one attribute read
+and one integer increment; the lock is only taken when a signal is actually up.
 
-Checkpoints find their task through a thread-local set by :func:`activate`, so hooks
+Checkpoints find their task through a thread slot set by :func:`activate`, so hooks
 installed once on a shared model serve every task thread without knowing about tasks.
 """
 
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from flowprefill.errors import TaskCancelledError
+from flowprefill.executor.threadlocal import ThreadSlot
 
 SyncFn = Callable[[], None]
 
@@ -148,26 +149,20 @@ class TaskControl:
         return self._done
 
 
-_local = threading.local()
+_control: ThreadSlot[TaskControl | None] = ThreadSlot(None)
 
 
 def current_control() -> TaskControl | None:
-    return getattr(_local, "control", None)
+    return _control.get()
 
 
-@contextmanager
-def activate(control: TaskControl | None) -> Iterator[None]:
+def activate(control: TaskControl | None) -> AbstractContextManager[None]:
     """Make ``control`` the target of :func:`checkpoint` calls on this thread."""
-    previous = getattr(_local, "control", None)
-    _local.control = control
-    try:
-        yield
-    finally:
-        _local.control = previous
+    return _control.bound(control)
 
 
 def checkpoint() -> None:
     """A preemption boundary; a no-op when no task is active on this thread."""
-    control = getattr(_local, "control", None)
+    control = _control.get()
     if control is not None:
         control.check()

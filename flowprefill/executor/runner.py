@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from flowprefill.contracts.names import Granularity, Kernels
 from flowprefill.errors import InvalidRequestError
 from flowprefill.executor.attention import packed_segments
 from flowprefill.executor.attention import register as register_packed_attention
@@ -78,23 +79,25 @@ class PreemptibleExecutor:
     def __init__(
         self,
         model: PreTrainedModel,
-        granularity: str = "operator",
+        granularity: str | Granularity = Granularity.OPERATOR,
         chunk_size: int | None = None,
         device: str | torch.device | None = None,
         sync: str = "every_check",
         backend: DeviceBackend | None = None,
-        kernels: str | None = None,
+        kernels: str | Kernels | None = None,
     ) -> None:
         """``sync`` (``every_check`` | ``on_preempt``) only matters on CUDA; see
         :mod:`flowprefill.executor.device` for the trade-off. ``backend`` overrides the
         stream backend chosen from ``device`` (tests use a fake one).
 
-        ``kernels``: ``"fast"`` (default; ``$FLOWPREFILL_KERNELS`` overrides the default)
-        runs the decoder's float32 CPU linears through oneDNN on prepacked weights (see
-        :mod:`flowprefill.executor.kernels`); ``"reference"`` runs the model's own modules,
-        so a single prompt's KV cache is bit-identical to calling the model directly.
+        ``kernels``: ``"fast"`` (the default, also for None) runs the decoder's float32 CPU
+        linears through oneDNN on prepacked weights (see :mod:`flowprefill.executor.kernels`);
+        ``"reference"`` runs the model's own modules, so a single prompt's KV cache is
+        bit-identical to calling the model directly. The executor reads no environment:
+        :meth:`~flowprefill.contracts.EngineConfig.resolved_kernels` applies
+        ``$FLOWPREFILL_KERNELS``.
         Either way a resumed prefill is bit-identical to an uninterrupted one."""
-        check_granularity(granularity)
+        granularity = check_granularity(granularity)
         self.kernels = resolve_kernels(kernels)
         self.sync_mode: SyncMode = check_sync_mode(sync)
         if chunk_size is not None and chunk_size < 1:
@@ -118,7 +121,7 @@ class PreemptibleExecutor:
             raise
         # After the checkpoints: installing those refuses a model another executor holds.
         self._linears = FastLinearHandle()
-        if self.kernels == "fast":
+        if self.kernels is Kernels.FAST:
             try:
                 self._linears = install_fast_linears(find_decoder_layers(model)[1])
             except NoBoundariesError:
@@ -249,7 +252,7 @@ class PreemptibleExecutor:
                 [last_indices[r] - start for r in finishing], dtype=torch.long, device=self.device
             )
             segments = chunk_segments(batch.starts, batch.lengths, start, end)
-            with packed_segments(segments), fast_kernels(self.kernels == "fast"):
+            with packed_segments(segments), fast_kernels(self.kernels is Kernels.FAST):
                 out = self.model(
                     input_ids=batch.input_ids[:, start:end],
                     position_ids=batch.position_ids[:, start:end],

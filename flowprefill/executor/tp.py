@@ -27,9 +27,7 @@ The process group's timeout must exceed the longest time a task can stay parked.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -37,6 +35,7 @@ import torch.distributed as dist
 
 from flowprefill.errors import TaskCancelledError
 from flowprefill.executor.preemption import TaskControl
+from flowprefill.executor.threadlocal import ThreadSlot
 
 RESUME = 0
 CANCEL = 1
@@ -100,29 +99,23 @@ class TPTaskControl:
         dist.broadcast(self._command, src=self._leader_global_rank, group=self.group)
 
 
-_local = threading.local()
+_control: ThreadSlot[TPTaskControl | None] = ThreadSlot(None)
 
 
-@contextmanager
-def activate_tp(control: TPTaskControl | None) -> Iterator[None]:
+def activate_tp(control: TPTaskControl | None) -> AbstractContextManager[None]:
     """Make ``control`` the target of :func:`tp_checkpoint` (and its group the one
     :func:`current_group` returns) on this thread."""
-    previous = getattr(_local, "control", None)
-    _local.control = control
-    try:
-        yield
-    finally:
-        _local.control = previous
+    return _control.bound(control)
 
 
 def tp_checkpoint() -> None:
     """Hook body for TP models: a rank-synchronised checkpoint (no-op without a task)."""
-    control: TPTaskControl | None = getattr(_local, "control", None)
+    control = _control.get()
     if control is not None:
         control.check()
 
 
 def current_group() -> Any:
     """The process group of the task running on this thread (None: the default group)."""
-    control: TPTaskControl | None = getattr(_local, "control", None)
+    control = _control.get()
     return control.group if control is not None else None

@@ -11,8 +11,10 @@ from torch import nn
 from torch.profiler import profile
 from transformers import PreTrainedModel
 
+from flowprefill.contracts.deployment import KERNELS_ENV
+from flowprefill.contracts.names import Kernels
 from flowprefill.errors import UnknownNameError
-from flowprefill.executor.kernels import KERNELS_ENV, resolve_kernels
+from flowprefill.executor.kernels import resolve_kernels
 from flowprefill.executor.preemption import TaskControl
 from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.models import ModelSize, build_model
@@ -126,14 +128,11 @@ def test_modified_weight_falls_back_to_the_module(make_executor: MakeExecutor) -
 
 
 def test_kernel_set_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
-    assert resolve_kernels(None) == "fast"
-    assert resolve_kernels("reference") == "reference"
-    monkeypatch.setenv(KERNELS_ENV, "reference")
-    assert resolve_kernels(None) == "reference"
-    assert resolve_kernels("fast") == "fast"
-    with pytest.raises(UnknownNameError, match="kernel set 'turbo'"):
+    assert resolve_kernels(None) is Kernels.FAST
+    assert resolve_kernels("reference") is Kernels.REFERENCE
+    assert resolve_kernels("REFERENCE") is Kernels.REFERENCE
+    with pytest.raises(UnknownNameError, match="kernels 'turbo'"):
         resolve_kernels("turbo")
-    monkeypatch.setenv(KERNELS_ENV, "turbo")
-    with pytest.raises(UnknownNameError):
-        resolve_kernels(None)
+    # The executor reads no environment; EngineConfig.resolved_kernels() does, once.
+    monkeypatch.setenv(KERNELS_ENV, "reference")
+    assert resolve_kernels(None) is Kernels.FAST
