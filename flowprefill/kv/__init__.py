@@ -12,7 +12,7 @@
   here so this package stays importable without vLLM). See docs/kv.md.
 """
 
-from flowprefill.kv.capture import PrefillResult, layers_from_cache, reference_prefill
+from flowprefill.kv.capture import ReferencePrefill, layers_from_cache, reference_prefill
 from flowprefill.kv.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -46,7 +46,7 @@ __all__ = [
     "KVReader",
     "KVTransport",
     "ModelFingerprint",
-    "PrefillResult",
+    "ReferencePrefill",
     "SharedDirTransport",
     "build_handoff",
     "check_prompt",

@@ -37,15 +37,19 @@ def layers_from_cache(cache: Any, batch_index: int = 0) -> list[tuple[torch.Tens
 
 
 @dataclass
-class PrefillResult:
-    """What a prefill hands over: the KV, the first sampled (greedy) token and its logits."""
+class ReferencePrefill:
+    """What :func:`reference_prefill` returns: the hand-off, the greedy first token and the
+    logits it was sampled from (the engine's own result is
+    :class:`flowprefill.engine.PrefillResult`)."""
 
     handoff: KVHandoff
     first_token_id: int
     logits: torch.Tensor  # [vocab], last prompt position
 
 
-def reference_prefill(model: Any, token_ids: Sequence[int], request_id: str = "") -> PrefillResult:
+def reference_prefill(
+    model: Any, token_ids: Sequence[int], request_id: str = ""
+) -> ReferencePrefill:
     """One un-batched HF forward over the prompt; greedy first token; the hand-off."""
     ids = torch.tensor([list(token_ids)], dtype=torch.int64, device=model.device)
     with torch.inference_mode():
@@ -59,4 +63,4 @@ def reference_prefill(model: Any, token_ids: Sequence[int], request_id: str = ""
         request_id=request_id,
         first_token_id=first,
     )
-    return PrefillResult(handoff=handoff, first_token_id=first, logits=logits)
+    return ReferencePrefill(handoff=handoff, first_token_id=first, logits=logits)

@@ -52,8 +52,8 @@ one in each worker):
   the model dtype, and write it with the attention backend's own ``do_kv_cache_update`` —
   the routine vLLM stores computed KV with — so the paged layout (CPU's packed blocks,
   CUDA's NHD/HND, fp8 scaling) is the backend's concern, not ours. ``wait_for_layer_load``
-  has nothing to wait for. Verified on CPU; on GPU the same path runs with a host→device
-  copy but has not been executed (no GPU here).
+  has nothing to wait for. Tested on CPU; on GPU the same path runs with a host→device
+  copy and has not been run.
 * **Clean-up** (``request_finished``). Reports ``loaded_tokens``; deletes the hand-off
   ``DELETE_GRACE_S`` later (``delete_after_load``, default true: ``shared_dir`` removes the
   file, ``http`` its local copy and sends the source a background ``DELETE``; the grace
@@ -106,10 +106,6 @@ if TYPE_CHECKING:
 # A child of vLLM's "vllm" logger: it inherits vLLM's handler and format, so our lines
 # appear in the decode server's log (a "flowprefill.*" logger has no handler there).
 logger = logging.getLogger("vllm.flowprefill.kv.connector")
-
-# This module is imported in each vLLM process that builds the connector (the worker
-# among them): the place to apply $FLOWPREFILL_VLLM_IDLE_SPIN_S (see vllm_idle.py).
-cap_idle_spin()
 
 HEADER_INLINE_WAIT_S = 0.005
 """How long ``get_num_new_matched_tokens`` waits for a hand-off header before answering
@@ -176,6 +172,10 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ) -> None:
+        # vLLM builds the connector in each process it configured with it (the scheduler
+        # and every worker, whose queue reader spins): where $FLOWPREFILL_VLLM_IDLE_SPIN_S
+        # applies (vllm_idle.py). Importing this module patches nothing.
+        cap_idle_spin()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         transport = str(extra.get("transport", "shared_dir"))

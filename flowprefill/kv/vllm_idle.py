@@ -8,23 +8,24 @@ GPU node that spin has a core to itself. On a small CPU host beside a prefill in
 takes a core away: a prefill that followed a decode step ran 1.6-1.8x slower for that
 second (docs/stack.md), and stopping the spinning worker removed the slowdown.
 
-``$FLOWPREFILL_VLLM_IDLE_SPIN_S`` (seconds, e.g. ``0``) caps that busy-wait in any vLLM
-process that loads the FlowPrefill connector; unset leaves vLLM as it is. After the cap
-the reader sleeps on vLLM's notification socket, but never longer than ``POLL_SLICE_MS``
-before looking at the queue again. The slice is not optional: vLLM's writer publishes its
-"written" notification on a PUB socket with a send high-water mark of 1, and when two
-messages follow each other within a fraction of a millisecond (the engine sends
-``execute_model`` and ``sample_tokens`` back to back every decode step) the second
-notification can be dropped. vLLM's 1 s spin hides that; a reader that sleeps instead
-would wait out vLLM's 5 s recheck interval, once per decode step (the first version of
-this cap did: each test of tests/kv/test_http_vllm.py took 50-70 s at commit 96841b1, under
-2 s now). With the slice a dropped notification costs at most
+``$FLOWPREFILL_VLLM_IDLE_SPIN_S`` (seconds, e.g. ``0``) caps that busy-wait in every vLLM
+process that builds the FlowPrefill connector (its constructor calls :func:`cap_idle_spin`;
+importing :mod:`flowprefill.kv.connector` patches nothing); unset leaves vLLM as it is.
+After the cap the reader sleeps on vLLM's notification socket, but never longer than
+``POLL_SLICE_MS`` before looking at the queue again. The slice is not optional: vLLM's
+writer publishes its "written" notification on a PUB socket with a send high-water mark of
+1, and when two messages follow each other within a fraction of a millisecond (the engine
+sends ``execute_model`` and ``sample_tokens`` back to back every decode step) the second
+notification can be dropped. vLLM's 1 s spin hides that; a reader that only sleeps until
+notified would wait out vLLM's 5 s recheck interval once per decode step (a few-token
+decode then takes tens of seconds). With the slice a dropped notification costs at most
 ``POLL_SLICE_MS``, and an idle reader wakes ``1000 / POLL_SLICE_MS`` times a second,
-microseconds each, instead of spinning on a core. ``flowprefill up`` sets the cap to
-``CPU_IDLE_SPIN_S`` for its decode instances: 5 ms of spin still catches the second message
-of a pair without a sleep, where a cap of 0 leaves every step to the slice
-(``python benchmarks/vllm_idle_spin.py``: 32-token decode 0.81x vLLM's default time at
-5 ms, 1.75x at 0).
+microseconds each, instead of spinning on a core.
+
+``flowprefill up`` sets the cap to ``CPU_IDLE_SPIN_S`` for its decode instances: 5 ms of
+spin still catches the second message of a pair without a sleep, where a cap of 0 leaves
+every step to the slice (``python benchmarks/vllm_idle_spin.py``: a 32-token decode takes
+0.81x vLLM's default time at 5 ms, 1.75x at 0).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ import logging
 import os
 from typing import Any
 
-IDLE_SPIN_ENV = "FLOWPREFILL_VLLM_IDLE_SPIN_S"
-CPU_IDLE_SPIN_S = "0.005"
-"""The cap for decode on CPU hosts shared with a prefill instance (``flowprefill up``, the
-operator's CPU decode pools)."""
+from flowprefill.contracts.deployment import CPU_VLLM_IDLE_SPIN_S, VLLM_IDLE_SPIN_ENV
+
+# The variable and the CPU hosts' cap (``flowprefill up``, the operator's CPU decode pools)
+# are deployment contracts; these names stay for the modules that import them from here.
+IDLE_SPIN_ENV = VLLM_IDLE_SPIN_ENV
+CPU_IDLE_SPIN_S = CPU_VLLM_IDLE_SPIN_S
 POLL_SLICE_MS = 10
 """Longest sleep of a capped reader before it looks at its queue again (see above)."""
 

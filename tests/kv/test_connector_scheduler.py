@@ -113,6 +113,23 @@ def scheduler_output(req_id: str, block_ids: list[int]) -> SimpleNamespace:
     )
 
 
+def test_building_the_connector_caps_vllms_idle_spin(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM builds the connector in each process it configured with it: the place the
+    $FLOWPREFILL_VLLM_IDLE_SPIN_S cap is applied (importing the module applies nothing,
+    tests/kv/test_vllm_idle.py)."""
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from flowprefill.kv.vllm_idle import IDLE_SPIN_ENV
+
+    original = getattr(SpinCondition.wait, "__flowprefill_original__", SpinCondition.wait)
+    monkeypatch.setattr(SpinCondition, "wait", original)  # restored after the test
+    monkeypatch.setenv(IDLE_SPIN_ENV, "0")
+    make_connector(store)
+    assert getattr(SpinCondition.wait, "__flowprefill_original__", None) is original
+
+
 def test_plain_requests_are_untouched(store: Path) -> None:
     conn = make_connector(store)
     assert conn.get_num_new_matched_tokens(request("a", PROMPT, None), 0) == (0, False)

@@ -4,6 +4,9 @@ in slices short enough that a dropped notification costs milliseconds, not vLLM'
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -110,3 +113,19 @@ def test_back_to_back_messages_reach_a_capped_reader_promptly() -> None:
             proc.kill()
     assert len(latencies) == 2 * pairs
     assert max(latencies) < 0.5, sorted(latencies)[-5:]
+
+
+def test_importing_the_connector_module_patches_nothing() -> None:
+    """The cap is applied where vLLM configures a decode process (the connector's
+    constructor, tests/kv/test_connector_scheduler.py), never as a side effect of an import.
+    A fresh interpreter: this one may have built a connector already."""
+    code = (
+        "import flowprefill.kv.connector\n"
+        "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+        "assert not hasattr(SpinCondition.wait, '__flowprefill_original__')\n"
+    )
+    env = {**os.environ, IDLE_SPIN_ENV: "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
