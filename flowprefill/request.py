@@ -1,10 +1,11 @@
-"""Requests, SLO classes, deadlines and tasks: the one place request state changes.
+"""Requests, deadlines and tasks: the one place request state changes.
 
 A :class:`Request` is one prompt waiting for its first token. A :class:`Task` is what the
 execution pool runs: a batch of requests formed by the scheduler (one request when it is
 not batched). Both carry a small state machine; every transition goes through
 ``Request.transition`` so an illegal move (resuming a finished request, running a request
-twice) fails loudly instead of corrupting the queues.
+twice) fails loudly instead of corrupting the queues. SLO classes are a contract
+(:mod:`flowprefill.contracts.slo`); a request carries its class's name and TTFT SLO.
 
 Times are seconds on one clock chosen by the caller (``time.monotonic()`` in the engine,
 simulated time in the simulator). Deadlines must be positive on that clock, which both
@@ -44,24 +45,6 @@ _ALLOWED: dict[RequestState, frozenset[RequestState]] = {
 
 class IllegalTransitionError(RuntimeError):
     """A request was asked to move between states the lifecycle does not allow."""
-
-
-@dataclass(frozen=True, slots=True)
-class SLOClass:
-    """A latency tier: requests of this class want their first token within ``ttft_slo_s``."""
-
-    name: str
-    ttft_slo_s: float
-    priority: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise InvalidRequestError("SLO class name must not be empty")
-        if not (self.ttft_slo_s > 0 and math.isfinite(self.ttft_slo_s)):
-            raise InvalidRequestError(
-                f"SLO class {self.name!r}: ttft_slo_s must be a positive number of seconds, "
-                f"got {self.ttft_slo_s!r}"
-            )
 
 
 _request_counter = itertools.count()
