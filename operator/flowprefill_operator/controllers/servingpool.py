@@ -226,12 +226,9 @@ def _inputs(
 @kopf.on.resume(*POOLS, id="reconcile_pool")
 @kopf.on.create(*POOLS, id="reconcile_pool")
 @kopf.on.update(*POOLS, id="reconcile_pool")
-def pool_changed(
-    body: kopf.Body,
-    retry: int,
-    memo: kopf.Memo,
-    **kwargs: Any,
-) -> None:
+def pool_changed(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs: Any) -> None:
+    """Created, changed, or found on startup: reconcile now; API errors retry with backoff,
+    an invalid spec stops retrying this generation (its status says why)."""
     inputs = _inputs(body, kwargs)
     result = retrying(retry, lambda: reconcile_pool(context(memo), *inputs))
     post(body, result.events)
@@ -261,11 +258,7 @@ def refresh_pool(
 
 
 @kopf.on.delete(*POOLS, id="delete_pool")
-def pool_deleted(
-    body: kopf.Body,
-    retry: int,
-    memo: kopf.Memo,
-    **kwargs: Any,
-) -> None:
+def pool_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs: Any) -> None:
+    """Deleting (our finalizer holds it): children gone and gateway updated, or retry."""
     inputs = _inputs(body, kwargs)
     retrying(retry, lambda: delete_pool(context(memo), *inputs))
