@@ -11,6 +11,7 @@ up to that checkpoint and continues from there when resumed.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from flowprefill.errors import UnknownTaskError
@@ -18,6 +19,34 @@ from flowprefill.request import Task
 from flowprefill.scheduler.round import PreemptOutcome
 from flowprefill.sim.cost import CostModel
 from flowprefill.sim.plan import ExecutionPlan, Granularity
+
+_EPS_S = 1e-12
+"""Rounding slack when deciding whether a checkpoint has been reached."""
+
+
+def last_checkpoint_s(plan: ExecutionPlan, elapsed_s: float) -> float:
+    """The last checkpoint at or before ``elapsed_s`` (0.0 when none has been reached)."""
+    g = plan.granularity
+    if g is Granularity.INSTANT or elapsed_s >= plan.total_s - _EPS_S:
+        return elapsed_s
+    k = max(0, bisect.bisect_right(plan.starts_s, elapsed_s + _EPS_S) - 1)
+    start = plan.starts_s[k]  # a chunk boundary (a checkpoint) when k > 0
+    p = plan.passes[k]
+    y = elapsed_s - start - p.pre_s
+    layer_s = p.layer_s
+    if g is Granularity.NONE or y < -_EPS_S or layer_s <= 0:
+        return start
+    layers_done = min(int((y + _EPS_S) // layer_s), p.num_layers)
+    t = start + p.pre_s + layers_done * layer_s
+    if g is Granularity.LAYER or layers_done == p.num_layers:
+        return t
+    within = y - layers_done * layer_s
+    acc = 0.0
+    for op in p.op_s:
+        if acc + op > within + _EPS_S:
+            break
+        acc += op
+    return t + acc
 
 
 @dataclass(slots=True)
@@ -116,11 +145,17 @@ class SimulatedPool:
     # ----------------------------------------------------------------- queries
 
     def progress(self, task: Task) -> float:
-        """Live fraction of the task's run time done at ``now_s``."""
+        """Fraction of the task's run time done at its last checkpoint before ``now_s``.
+
+        The engine's pool learns a task's progress only at checkpoints (TaskControl
+        counts them), so a running task reports where its last checkpoint was, not the
+        work done since; with no checkpoints (granularity ``none``, one pass) that is 0.
+        """
         run = self._run(task)
         elapsed = run.done_s
         if run.started_s is not None:
             elapsed += self.now_s - run.started_s
+            elapsed = last_checkpoint_s(run.plan, min(elapsed, run.plan.total_s))
         return run.plan.progress(elapsed)
 
     def done_s(self, task: Task) -> float:
