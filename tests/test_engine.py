@@ -242,3 +242,25 @@ def test_met_slo_is_the_class_slo_from_the_gateway_arrival() -> None:
     assert 'flowprefill_prefill_requests_total{outcome="missed",slo_class="chat"} 1.0' in text
     assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="image"} 1.0' in text
     assert 'flowprefill_prefill_ttft_seconds_bucket{le="0.5",slo_class="chat"} 0.0' in text
+
+
+def test_blocking_history_is_bounded() -> None:
+    from flowprefill.engine import BLOCKING_HISTORY
+
+    eng = PrefillEngine(SteppedBackend(), PREDICTOR)
+    eng.blocking_times_s.extend(float(i) for i in range(BLOCKING_HISTORY + 5))
+    assert len(eng.blocking_times_s) == BLOCKING_HISTORY
+    assert eng.blocking_times_s[-1] == BLOCKING_HISTORY + 4
+
+
+def test_a_cancelled_running_request_is_counted_under_its_class() -> None:
+    from prometheus_client import generate_latest
+
+    with PrefillEngine(SteppedBackend(), PREDICTOR, batching="none") as eng:
+        fut = eng.submit(prompt(1, 20_000), ttft_slo_s=30.0, slo_class="file", request_id="r")
+        time.sleep(0.03)
+        eng.cancel("r")
+        with pytest.raises(TaskCancelledError):
+            fut.result(timeout=5)
+    text = generate_latest(eng.metrics.registry).decode()
+    assert 'flowprefill_prefill_requests_total{outcome="cancelled",slo_class="file"} 1.0' in text
