@@ -2,8 +2,11 @@
 
 Layout: ``models`` (pydantic CR models, the source of ``crds/``), ``builders`` (pure
 spec -> manifests), ``status`` (pure observed state -> conditions), ``attainment``
-(gateway metrics -> SLOClass status), ``kube`` (idempotent apply), ``handlers`` (thin kopf
-handlers; run with ``kopf run -m flowprefill_operator.handlers``).
+(gateway metrics -> SLOClass status), ``kube`` (idempotent apply), ``controllers`` (one
+module per controller: servingpool, gateway, sloclass, scraper; kopf indexes and memo),
+``handlers`` (the kopf entry point; run with ``kopf run -m flowprefill_operator.handlers``).
+Every file format, port, path and process description shared with the engine and gateway
+comes from :mod:`flowprefill.contracts`.
 """
 
 GROUP = "flowprefill.io"

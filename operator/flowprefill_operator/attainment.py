@@ -20,8 +20,15 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-SLO_REQUESTS = "flowprefill_gateway_slo_requests"
-OUTCOMES = ("met", "missed")
+from flowprefill.contracts.metrics import (
+    GATEWAY_SLO_REQUESTS,
+    OUTCOME_LABEL,
+    SLO_CLASS_LABEL,
+    Outcome,
+)
+
+SLO_REQUESTS = GATEWAY_SLO_REQUESTS
+OUTCOMES = (Outcome.MET.value, Outcome.MISSED.value)
 
 # pod -> class -> outcome -> cumulative count
 Sample = dict[str, dict[str, dict[str, float]]]
@@ -52,7 +59,7 @@ def parse_slo_counters(text: str) -> dict[str, dict[str, float]]:
         for sample in family.samples:
             if not sample.name.endswith("_total"):
                 continue  # _created
-            cls, outcome = sample.labels.get("slo_class"), sample.labels.get("outcome")
+            cls, outcome = sample.labels.get(SLO_CLASS_LABEL), sample.labels.get(OUTCOME_LABEL)
             if cls and outcome in OUTCOMES:
                 per_class = counts.setdefault(cls, {})
                 per_class[outcome] = per_class.get(outcome, 0.0) + sample.value

@@ -16,6 +16,8 @@ from typing import Any
 
 import kopf
 
+from flowprefill.contracts.deployment import GATEWAY_PORT, METRICS_PATH
+
 from .. import MANAGED_BY
 from ..attainment import AttainmentTracker, fetch_text, scrape
 from ..builders.common import ROLE_LABEL
@@ -35,12 +37,12 @@ def gateway_targets(ctx: Context, namespace: str) -> dict[str, str]:
         ip = status.get("podIP")
         if status.get("phase") != "Running" or not ip:
             continue
-        port = 8000
+        port = GATEWAY_PORT  # unless the pod names its http port
         for container in pod.get("spec", {}).get("containers", []):
             for p in container.get("ports", []):
                 if p.get("name") == "http":
                     port = int(p["containerPort"])
-        targets[pod["metadata"]["name"]] = f"http://{ip}:{port}/metrics"
+        targets[pod["metadata"]["name"]] = f"http://{ip}:{port}{METRICS_PATH}"
     return targets
 
 
