@@ -1,4 +1,4 @@
-"""Wiring an :class:`~flowprefill.config.EngineConfig` into a model executor and predictor.
+"""Wiring an :class:`~flowprefill.contracts.EngineConfig` into a model executor and predictor.
 
 Kept apart from the engine so the scheduler and pool never import torch or transformers.
 """
@@ -34,10 +34,6 @@ def build_executor(
 ) -> PreemptibleExecutor:
     """An executor for ``config``; pass ``model`` to share weights between executors
     (close the previous executor first: each installs its own checkpoint hooks)."""
-    if config.tp_size != 1:
-        raise NotImplementedError(
-            "tensor-parallel serving is not wired into the engine yet; see docs/executor.md"
-        )
     model = model if model is not None else load_engine_model(config)
     return PreemptibleExecutor(
         model,

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from flowprefill.backend import build_executor
 from flowprefill.contracts import EngineConfig
-from flowprefill.executor.kernels import KERNELS_ENV
+from flowprefill.contracts.deployment import KERNELS_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -39,5 +39,6 @@ def test_unknown_kernels_name_is_refused_naming_the_field() -> None:
 
 
 def test_tensor_parallel_serving_is_refused_with_a_pointer_to_the_docs() -> None:
-    with pytest.raises(NotImplementedError, match=r"docs/executor\.md"):
-        build_executor(EngineConfig(model_path="tiny-llama", tp_size=2))
+    # Refused where the config is read, before any model loads or pod starts.
+    with pytest.raises(ValidationError, match=r"tp_size(.|\n)*docs/executor\.md"):
+        EngineConfig(model_path="tiny-llama", tp_size=2)

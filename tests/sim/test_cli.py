@@ -24,7 +24,7 @@ def run(argv: list[str]) -> int:
         (["--num-requests", "0"], "--num-requests"),
         (["--slo-rate", "-1"], "--slo-rate"),
         (["--systems", "flowprefill,magic"], "unknown system 'magic'"),
-        (["--router", "random"], "unknown router"),
+        (["--router", "random"], "unknown routing policy"),
         (["--trace", "/nonexistent.jsonl", "--rate", "1"], "no such file"),
     ],
 )

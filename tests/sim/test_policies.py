@@ -43,7 +43,7 @@ def test_policy_names() -> None:
         get_batching("fifo")
     with pytest.raises(UnknownNameError, match="admission"):
         get_admission("drop-all")
-    with pytest.raises(UnknownNameError, match="router"):
+    with pytest.raises(UnknownNameError, match="routing policy"):
         get_router("random")
 
 
