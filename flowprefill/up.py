@@ -54,6 +54,7 @@ from flowprefill.contracts.processes import (
     gateway_process,
     prefill_process,
 )
+from flowprefill.contracts.processes import decode_env as process_decode_env
 from flowprefill.errors import FlowPrefillError
 
 SCALE_AT_TOKENS = 1024
@@ -197,12 +198,23 @@ def decode_args(model_dir: Path, max_model_len: int = 8192) -> list[str]:
     ]  # fmt: skip
 
 
+def vllm_server_command(
+    model_dir: Path, port: int, max_model_len: int = 8192, extra: list[str] | None = None
+) -> list[str]:
+    """Plain vLLM (no FlowPrefill connector) on loopback with this machine's settings: the
+    baseline benchmarks compare against."""
+    return [
+        *Launcher.local().vllm, "--model", str(model_dir), "--host", LOOPBACK,
+        "--port", str(port), *decode_args(model_dir, max_model_len), *(extra or []),
+    ]  # fmt: skip
+
+
 def decode_command(
     model_dir: Path,
     port: int,
     kv_dir: Path,
     max_model_len: int = 8192,
-    transport: KVTransport = KVTransport.SHARED_DIR,
+    transport: KVTransport | str = KVTransport.SHARED_DIR,
 ) -> list[str]:
     """A decode instance on loopback: vLLM as a KV consumer of our hand-offs.
 
@@ -216,14 +228,14 @@ def decode_spec(
     port: int,
     kv_dir: Path,
     max_model_len: int = 8192,
-    transport: KVTransport = KVTransport.SHARED_DIR,
+    transport: KVTransport | str = KVTransport.SHARED_DIR,
 ) -> ProcessSpec:
     return decode_process(
         Launcher.local(),
         model_path=str(model_dir),
         port=port,
         host=LOOPBACK,
-        kv_transport=transport,
+        kv_transport=KVTransport.parse(transport),
         kv_path=str(kv_dir),
         cpu=True,
         extra_args=decode_args(model_dir, max_model_len),
@@ -231,8 +243,10 @@ def decode_spec(
 
 
 def decode_env(run_dir: Path) -> dict[str, str]:
-    """This machine's environment for vLLM (the process's own comes from its spec)."""
+    """Environment of a decode process on this machine: what the process description asks
+    for on a CPU host (the user's environment wins), caches, offline mode."""
     return {
+        **{k: os.environ.get(k, v) for k, v in process_decode_env(cpu=True).items()},
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
         **OFFLINE_ENV,

@@ -129,15 +129,20 @@ def decode_process(
         "--model", model_path, *_listen(host, port),
         "--kv-transfer-config", json.dumps(config, separators=(",", ":")),
     ]  # fmt: skip
-    env = {VLLM_IDLE_SPIN_ENV: CPU_VLLM_IDLE_SPIN_S} if cpu else {}
     return ProcessSpec(
         role=Role.DECODE,
         launcher=launcher.vllm,
         args=(*args, *extra_args),
         port=port,
         ready_path=DECODE_READY_PATH,
-        env=env,
+        env=decode_env(cpu=cpu),
     )
+
+
+def decode_env(*, cpu: bool) -> dict[str, str]:
+    """What a decode process needs from its environment: on a CPU host shared with
+    prefill, the cap of vLLM's idle busy-wait that our connector applies."""
+    return {VLLM_IDLE_SPIN_ENV: CPU_VLLM_IDLE_SPIN_S} if cpu else {}
 
 
 def gateway_process(

@@ -20,6 +20,10 @@ from flowprefill_operator.controllers.servingpool import kv_mismatch, status_eve
 from flowprefill_operator.controllers.sloclass import ClassSync
 from flowprefill_operator.models import Condition, ServingPoolSpec, ServingPoolStatus
 
+# kopf.index wraps the functions in a type that hides their call signature.
+_pools_by_service: Any = pools_by_service
+_classes_by_namespace: Any = classes_by_namespace
+
 
 def pool_body(name: str, service: str = "m", **extra: Any) -> dict[str, Any]:
     meta = {"name": name, "namespace": "ns", "uid": f"uid-{name}", **extra.pop("meta", {})}
@@ -30,7 +34,7 @@ def pool_body(name: str, service: str = "m", **extra: Any) -> dict[str, Any]:
 def index_pool(raw: dict[str, Any]) -> Any:
     meta = raw["metadata"]
     body = kopf.Body(cast(kopf.RawBody, raw))
-    return pools_by_service(body=body, name=meta["name"], namespace="ns", uid=meta["uid"])
+    return _pools_by_service(body=body, name=meta["name"], namespace="ns", uid=meta["uid"])
 
 
 def index_class(
@@ -43,7 +47,7 @@ def index_class(
         "spec": spec,
         "status": status or {},
     }
-    entries: dict[str, ClassEntry] = classes_by_namespace(
+    entries: dict[str, ClassEntry] = _classes_by_namespace(
         body=kopf.Body(cast(kopf.RawBody, raw)), name=name, namespace="ns"
     )
     return entries
@@ -92,7 +96,7 @@ def test_snapshots_sort_and_survive_a_concurrent_resize() -> None:
     assert services_of(index, "ns") == ["k", "m"]
     chat = index_class("chat", {"taskType": "text", "ttftSloMs": 250})["ns"]
     file = index_class("file", {"taskType": "file", "ttftSloMs": 6000})["ns"]
-    assert [c.name for c in classes_of({"ns": [file, chat]}, "ns")] == ["chat", "file"]
+    assert [c.name for c in classes_of(cast(Any, {"ns": [file, chat]}), "ns")] == ["chat", "file"]
 
 
 def test_class_sync_ignores_status_writes_but_not_spec_labels_or_deletions() -> None:

@@ -5,13 +5,18 @@ operator's parse with a message naming the field."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from tests.operator.cluster import Cluster, create, pool
 from tests.operator.harness import wait_for
 
 
 def test_tp_pool_is_refused_naming_the_field_and_makes_no_pods(cluster: Cluster) -> None:
     ns = "e2e-tp"
-    spec = {"engine": {"tpSize": 2, "device": "cpu"}, "resources": {"gpusPerPod": 2}}
+    spec: dict[str, Any] = {
+        "engine": {"tpSize": 2, "device": "cpu"},
+        "resources": {"gpusPerPod": 2},
+    }
     create(cluster, pool("tp", "m", **spec), ns)
     wait_for(
         lambda: cluster.condition(ns, "tp", "Degraded") == ("True", "InvalidSpec"),

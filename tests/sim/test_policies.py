@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from flowprefill.contracts.names import Batching
 from flowprefill.errors import UnknownNameError
 from flowprefill.request import RequestState
 from flowprefill.scheduler.batching import BATCHING, MemberHeadroomBatching, get_batching
@@ -30,7 +31,7 @@ P = PREDICTOR.predict_s  # 1 ms per token
 def test_every_system_batches_with_the_engines_policy_of_that_name(toy: ToyCost) -> None:
     for spec in SYSTEMS.values():
         inst = build_instance(spec, toy, P)
-        assert type(inst.scheduler.batching) is BATCHING[spec.batching]
+        assert type(inst.scheduler.batching) is BATCHING[Batching.parse(spec.batching)]
     assert type(build_instance(get_system("fp-plus"), toy, P).scheduler.batching) is (
         MemberHeadroomBatching
     )
