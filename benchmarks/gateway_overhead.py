@@ -59,7 +59,7 @@ def stub_app() -> Any:
             "request_id": body["request_id"],
             "first_token_id": 42,
             "num_prompt_tokens": len(body["prompt_token_ids"]),
-            "queue_and_prefill_ms": 0.1,
+            "ttft_s": 0.0001,
             "met_slo": True,
             "num_preemptions": 0,
             "batch_size": 1,
@@ -102,7 +102,7 @@ def serve_gateway(config: str, table: str, port: int, spec: str, src: str | None
     from flowprefill.contracts import GatewayConfig
     from flowprefill.gateway.app import create_gateway_app
     from flowprefill.gateway.cli import build_state
-    from flowprefill.server.errors import BodySizeLimit
+    from flowprefill.web.errors import BodySizeLimit
 
     upstream_http, loop, http = parse_spec(spec)
     kwargs: dict[str, Any] = {} if upstream_http == "auto" else {"upstream_http": upstream_http}
@@ -145,7 +145,7 @@ class Client:
 
 
 GATEWAY_BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": DECODE_TOKENS + 1, "stream": True}
-PREFILL_BODY = {"request_id": "x", "prompt_token_ids": [1] * 10, "ttft_budget_ms": 1000}
+PREFILL_BODY = {"request_id": "x", "prompt_token_ids": [1] * 10, "ttft_slo_s": 1.0}
 DECODE_BODY = {"prompt": [1] * 11, "max_tokens": DECODE_TOKENS}
 
 

@@ -83,7 +83,7 @@ def local_stack(
     from flowprefill.gateway.cli import build_state
     from flowprefill.models import load_model
     from flowprefill.predictor.model import TTFTPredictor
-    from flowprefill.server.errors import BodySizeLimit
+    from flowprefill.web.errors import BodySizeLimit
     from flowprefill.server.prefill import create_app
 
     with ExitStack() as stack:

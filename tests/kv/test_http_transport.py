@@ -61,7 +61,7 @@ def ids(n: int, k: int = 7) -> list[int]:
 def prefill_ref(prefill: dict[str, Any], rid: str, n: int = 50) -> HandoffRef:
     r = httpx.post(
         f"{prefill['url']}/v1/prefill",
-        json={"request_id": rid, "prompt_token_ids": ids(n), "ttft_budget_ms": 10_000},
+        json={"request_id": rid, "prompt_token_ids": ids(n), "ttft_slo_s": 10.0},
         timeout=30,
     )
     assert r.status_code == 200, r.text

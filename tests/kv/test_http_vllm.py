@@ -107,7 +107,7 @@ def prompt(n: int, k: int) -> list[int]:
 def do_prefill(stack: dict[str, Any], rid: str, ids: list[int]) -> tuple[int, dict[str, Any]]:
     r = httpx.post(
         f"{stack['prefill']}/v1/prefill",
-        json={"request_id": rid, "prompt_token_ids": ids, "ttft_budget_ms": 60_000},
+        json={"request_id": rid, "prompt_token_ids": ids, "ttft_slo_s": 60.0},
         timeout=60,
     )
     assert r.status_code == 200, r.text
