@@ -83,8 +83,8 @@ def local_stack(
     from flowprefill.gateway.cli import build_state
     from flowprefill.models import load_model
     from flowprefill.predictor.model import TTFTPredictor
-    from flowprefill.web.errors import BodySizeLimit
     from flowprefill.server.prefill import create_app
+    from flowprefill.web.errors import BodySizeLimit
 
     with ExitStack() as stack:
         urls, engines = [], []

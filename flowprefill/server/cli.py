@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from flowprefill.backend import build_executor, load_engine_model, quick_profile
     from flowprefill.engine import PrefillEngine
     from flowprefill.predictor.model import TTFTPredictor
-    from flowprefill.web.errors import BodySizeLimit
     from flowprefill.server.prefill import create_app
+    from flowprefill.web.errors import BodySizeLimit
 
     config = resolve_config(args)
     model = load_engine_model(config)
