@@ -23,8 +23,10 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 from rich.console import Console
@@ -37,6 +39,7 @@ from flowprefill.contracts import (
     Granularity,
     KVHandoffSettings,
     KVTransport,
+    Name,
     Policy,
     Router,
     SLOTable,
@@ -55,9 +58,10 @@ from flowprefill.contracts.processes import (
     prefill_process,
 )
 from flowprefill.contracts.processes import decode_env as process_decode_env
-from flowprefill.errors import FlowPrefillError
+from flowprefill.errors import FlowPrefillError, UnknownNameError
 
 SCALE_AT_TOKENS = 1024
+N = TypeVar("N", bound=Name)
 LOOPBACK = "127.0.0.1"
 
 
@@ -117,6 +121,19 @@ class Child:
             return ""
 
 
+def name_arg(enum: type[N]) -> Callable[[str], N]:
+    """An argparse ``type`` for a contracts name: one parser, and a refusal that lists the
+    valid names."""
+
+    def parse(value: str) -> N:
+        try:
+            return enum.parse(value)
+        except UnknownNameError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo-llama", help="built-in tiny model or local dir")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
@@ -128,14 +145,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"gateway port; prefill instances listen from +{PREFILL_PORT - GATEWAY_PORT}, "
         f"decode from +{DECODE_PORT - GATEWAY_PORT}",
     )
-    p.add_argument("--policy", default=Policy.S_EDF, type=Policy.parse, choices=list(Policy),
+    p.add_argument("--policy", default=Policy.S_EDF, type=name_arg(Policy), choices=list(Policy),
                    help="priority policy")  # fmt: skip
-    p.add_argument("--granularity", default=Granularity.OPERATOR, type=Granularity.parse,
+    p.add_argument("--granularity", default=Granularity.OPERATOR, type=name_arg(Granularity),
                    choices=list(Granularity))  # fmt: skip
     p.add_argument(
         "--batching",
         default=Batching.SLO_AWARE,
-        type=Batching.parse,
+        type=name_arg(Batching),
         choices=list(Batching),
         help="batching policy (member-headroom: each member's own deadline; docs/simulator.md)",
     )
@@ -145,7 +162,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunk-size", type=int, default=None, help="split prompts into chunks of this many tokens"
     )
-    p.add_argument("--routing", default=Router.SLACK_AWARE, type=Router.parse, choices=list(Router))
+    p.add_argument(
+        "--routing", default=Router.SLACK_AWARE, type=name_arg(Router), choices=list(Router)
+    )
     p.add_argument("--profile", help="TTFT profile JSON (profiled once at start when absent)")
     p.add_argument("--run-dir", help="where configs, logs and KV hand-offs go")
     p.add_argument("--threads", type=int, default=None, help="torch threads per prefill")
@@ -153,7 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-transport",
         default=KVTransport.SHARED_DIR,
-        type=KVTransport.parse,
+        type=name_arg(KVTransport),
         choices=list(KVTransport),
         help="KV hand-off: one shared directory, or each decode pulls from prefill over HTTP "
         "into its own cache directory",
