@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import Progress
 
+from flowprefill.contracts.deployment import SLO_CLASS_HEADER
 from flowprefill.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=1000, help="prompt token ids are < this")
     p.add_argument(
         "--class-header",
-        default="x-slo-class",
+        default=SLO_CLASS_HEADER,
         help="header carrying the class name ('' to send none)",
     )
     p.add_argument(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from flowprefill.contracts.deployment import SLO_CLASS_HEADER
 from flowprefill.request import Request
 
 
@@ -55,7 +56,7 @@ class SendOptions:
     model: str
     max_tokens: int = 4
     vocab_size: int = 1000
-    class_header: str | None = "x-slo-class"
+    class_header: str | None = SLO_CLASS_HEADER
     priorities: dict[str, int] | None = None
     """vLLM ``priority`` per class (lower runs first); None sends no priority field."""
     timeout_s: float = 600.0

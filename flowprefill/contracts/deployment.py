@@ -26,6 +26,15 @@ PREFILL_API_PATH: Final = "/v1/prefill"
 KV_HTTP_PATH: Final = "/v1/kv/"
 """Where a prefill instance serves its hand-offs: ``GET|DELETE <source>/v1/kv/<id>``."""
 
+# HTTP headers between clients, the gateway and its upstreams.
+SLO_CLASS_HEADER: Final = "x-slo-class"
+"""Client -> gateway: the SLO class a request claims."""
+SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
+"""Gateway -> prefill and decode: the TTFT budget left when the call is sent (a hint in the
+convention llm-d and Dynamo read; the deadline itself travels in the prefill body)."""
+SLO_TPOT_HEADER: Final = "x-slo-tpot-ms"
+"""Gateway -> upstreams: the class's time-per-output-token target, when it has one."""
+
 # Files in a pod (the operator mounts ConfigMaps there).
 CONFIG_DIR: Final = "/etc/flowprefill"
 ENGINE_CONFIG_PATH: Final = f"{CONFIG_DIR}/engine.json"

@@ -24,11 +24,11 @@ from typing import Literal
 from pydantic import ValidationError
 
 from flowprefill.contracts import SLOTable, SLOTableClass
+from flowprefill.contracts.deployment import SLO_CLASS_HEADER
 from flowprefill.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-SLO_CLASS_HEADER = "x-slo-class"
 SLO_CLASS_FIELD = "slo_class"
 
 Source = Literal["header", "field", "rule", "default"]

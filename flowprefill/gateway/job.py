@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flowprefill.contracts import SLOTableClass
+from flowprefill.contracts.deployment import SLO_TPOT_HEADER, SLO_TTFT_HEADER
 from flowprefill.gateway.classify import Classification
 from flowprefill.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 
@@ -64,9 +65,9 @@ class Job:
         c = self.slo
         headers = {
             "x-gateway-inference-objective": c.name,
-            "x-slo-ttft-ms": str(max(1, round((self.deadline_s - now_s) * 1e3))),
+            SLO_TTFT_HEADER: str(max(1, round((self.deadline_s - now_s) * 1e3))),
             "x-dynamo-request-priority": str(c.priority),
         }
         if c.tpot_slo_ms is not None:
-            headers["x-slo-tpot-ms"] = str(c.tpot_slo_ms)
+            headers[SLO_TPOT_HEADER] = str(c.tpot_slo_ms)
         return headers

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from flowprefill.contracts.deployment import MODEL_CACHE_ENV
 from flowprefill.errors import UnknownNameError
 from flowprefill.models.builders import build_named, model_names, parse_name
 from flowprefill.models.tokenizer import CHAT_TEMPLATE, IM_END, special_token_ids, train_tokenizer
 
-CACHE_ENV = "FLOWPREFILL_MODEL_CACHE"
+CACHE_ENV = MODEL_CACHE_ENV
 
 
 def default_cache_dir() -> Path:

@@ -11,7 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ENV_PREFIX = "FLOWPREFILL_OPERATOR_"
+from flowprefill.contracts.deployment import OPERATOR_ENV_PREFIX
+
+ENV_PREFIX = OPERATOR_ENV_PREFIX
 
 
 class OperatorSettings(BaseModel):
