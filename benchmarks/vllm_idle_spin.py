@@ -26,14 +26,14 @@ from rich.table import Table
 
 
 def serve_and_time(model: Path, run_dir: Path, cap: str, tokens: int, repeats: int) -> list[float]:
-    from flowprefill.kv.vllm_idle import IDLE_SPIN_ENV
-    from flowprefill.up import decode_command, decode_env
+    from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV as IDLE_SPIN_ENV
+    from flowprefill.up import decode_env, decode_spec
     from tests.helpers import free_port
 
     port = free_port()
     env = {**os.environ, **decode_env(run_dir), IDLE_SPIN_ENV: "" if cap == "default" else cap}
     log = run_dir / f"vllm-{cap}.log"
-    cmd = decode_command(model, port, run_dir / "kv", max_model_len=2048)
+    cmd = decode_spec(model, port, run_dir / "kv", max_model_len=2048).argv
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -228,20 +228,6 @@ def vllm_server_command(
     ]  # fmt: skip
 
 
-def decode_command(
-    model_dir: Path,
-    port: int,
-    kv_dir: Path,
-    max_model_len: int = 8192,
-    transport: KVTransport | str = KVTransport.SHARED_DIR,
-) -> list[str]:
-    """A decode instance on loopback: vLLM as a KV consumer of our hand-offs.
-
-    ``kv_dir``: the shared hand-off directory (``shared_dir``), or this instance's own
-    cache of hand-offs pulled from prefill (``http``)."""
-    return decode_spec(model_dir, port, kv_dir, max_model_len, transport).argv
-
-
 def decode_spec(
     model_dir: Path,
     port: int,
@@ -249,6 +235,10 @@ def decode_spec(
     max_model_len: int = 8192,
     transport: KVTransport | str = KVTransport.SHARED_DIR,
 ) -> ProcessSpec:
+    """A decode instance on loopback: vLLM as a KV consumer of our hand-offs.
+
+    ``kv_dir``: the shared hand-off directory (``shared_dir``), or this instance's own
+    cache of hand-offs pulled from prefill (``http``)."""
     return decode_process(
         Launcher.local(),
         model_path=str(model_dir),

@@ -22,7 +22,8 @@ decode then takes tens of seconds). With the slice a dropped notification costs 
 ``POLL_SLICE_MS``, and an idle reader wakes ``1000 / POLL_SLICE_MS`` times a second,
 microseconds each, instead of spinning on a core.
 
-``flowprefill up`` sets the cap to ``CPU_IDLE_SPIN_S`` for its decode instances: 5 ms of
+``flowprefill up`` and the operator's CPU decode pools set the cap to
+``contracts.deployment.CPU_VLLM_IDLE_SPIN_S`` for their decode instances: 5 ms of
 spin still catches the second message of a pair without a sleep, where a cap of 0 leaves
 every step to the slice (``python benchmarks/vllm_idle_spin.py``: a 32-token decode takes
 0.81x vLLM's default time at 5 ms, 1.75x at 0).
@@ -34,12 +35,10 @@ import logging
 import os
 from typing import Any
 
-from flowprefill.contracts.deployment import CPU_VLLM_IDLE_SPIN_S, VLLM_IDLE_SPIN_ENV
+from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV
 
 # The variable and the CPU hosts' cap (``flowprefill up``, the operator's CPU decode pools)
 # are deployment contracts; these names stay for the modules that import them from here.
-IDLE_SPIN_ENV = VLLM_IDLE_SPIN_ENV
-CPU_IDLE_SPIN_S = CPU_VLLM_IDLE_SPIN_S
 POLL_SLICE_MS = 10
 """Longest sleep of a capped reader before it looks at its queue again (see above)."""
 
@@ -53,23 +52,23 @@ def cap_idle_spin(seconds: float | None = None) -> float | None:
     Returns the cap applied, or None. Applies to queues made before and after the call:
     the reader's own spin window is trimmed on its next wait. Idempotent."""
     if seconds is None:
-        value = os.environ.get(IDLE_SPIN_ENV, "").strip()
+        value = os.environ.get(VLLM_IDLE_SPIN_ENV, "").strip()
         if not value:
             return None
         try:
             seconds = float(value)
         except ValueError:
             logger.warning(
-                "%s=%r is not a number of seconds; left vLLM as it is", IDLE_SPIN_ENV, value
+                "%s=%r is not a number of seconds; left vLLM as it is", VLLM_IDLE_SPIN_ENV, value
             )
             return None
     if seconds < 0:
-        logger.warning("%s must be >= 0, got %s; left vLLM as it is", IDLE_SPIN_ENV, seconds)
+        logger.warning("%s must be >= 0, got %s; left vLLM as it is", VLLM_IDLE_SPIN_ENV, seconds)
         return None
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError:
-        logger.warning("vLLM has no SpinCondition here; %s has no effect", IDLE_SPIN_ENV)
+        logger.warning("vLLM has no SpinCondition here; %s has no effect", VLLM_IDLE_SPIN_ENV)
         return None
     original = getattr(SpinCondition.wait, "__flowprefill_original__", SpinCondition.wait)
     cap = seconds
@@ -85,5 +84,5 @@ def cap_idle_spin(seconds: float | None = None) -> float | None:
 
     wait.__flowprefill_original__ = original  # type: ignore[attr-defined]
     SpinCondition.wait = wait  # type: ignore[method-assign]
-    logger.info("vLLM idle busy-wait capped at %.3f s (%s)", cap, IDLE_SPIN_ENV)
+    logger.info("vLLM idle busy-wait capped at %.3f s (%s)", cap, VLLM_IDLE_SPIN_ENV)
     return cap

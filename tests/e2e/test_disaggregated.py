@@ -34,7 +34,7 @@ from flowprefill.models import load_model, named_model_dir
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.server.kv_sink import directory_sink
 from flowprefill.server.prefill import create_app
-from flowprefill.up import decode_command, decode_env
+from flowprefill.up import decode_env, decode_spec
 from tests.helpers import free_port, serve_in_thread
 
 pytestmark = [
@@ -75,7 +75,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     port = free_port()
     log = (tmp / "vllm.log").open("wb")
     proc = subprocess.Popen(
-        decode_command(model_dir, port, kv_dir),
+        decode_spec(model_dir, port, kv_dir).argv,
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, **decode_env(tmp)},
@@ -309,7 +309,7 @@ def test_dead_decode_instance_fails_in_flight_and_is_routed_around(stack: dict[s
     port = free_port()
     log = tmp / "vllm-victim.log"
     victim = subprocess.Popen(
-        decode_command(Path(stack["model_dir"]), port, stack["kv_dir"]),
+        decode_spec(Path(stack["model_dir"]), port, stack["kv_dir"]).argv,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         env={**os.environ, **decode_env(tmp / "victim")},

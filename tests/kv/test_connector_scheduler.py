@@ -121,7 +121,7 @@ def test_building_the_connector_caps_vllms_idle_spin(
     tests/kv/test_vllm_idle.py)."""
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-    from flowprefill.kv.vllm_idle import IDLE_SPIN_ENV
+    from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV as IDLE_SPIN_ENV
 
     original = getattr(SpinCondition.wait, "__flowprefill_original__", SpinCondition.wait)
     monkeypatch.setattr(SpinCondition, "wait", original)  # restored after the test

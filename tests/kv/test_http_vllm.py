@@ -28,7 +28,7 @@ from flowprefill.models import load_model
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.server.kv_sink import directory_sink
 from flowprefill.server.prefill import create_app
-from flowprefill.up import decode_command, decode_env
+from flowprefill.up import decode_env, decode_spec
 from tests.helpers import free_port, serve_in_thread, silent_server
 
 pytestmark = [
@@ -52,7 +52,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     port = free_port()
     log_path = tmp / "vllm.log"
     proc = subprocess.Popen(
-        decode_command(model_dir, port, cache_dir, max_model_len=2048, transport="http"),
+        decode_spec(model_dir, port, cache_dir, max_model_len=2048, transport="http").argv,
         stdout=log_path.open("wb"),
         stderr=subprocess.STDOUT,
         env={**os.environ, **decode_env(tmp)},

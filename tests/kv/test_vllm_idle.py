@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from flowprefill.kv.vllm_idle import IDLE_SPIN_ENV, POLL_SLICE_MS, cap_idle_spin
+from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV as IDLE_SPIN_ENV
+from flowprefill.kv.vllm_idle import POLL_SLICE_MS, cap_idle_spin
 
 shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
 zmq = pytest.importorskip("zmq")
