@@ -33,7 +33,6 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from flowprefill.contracts.deployment import KERNELS_ENV as KERNELS_ENV  # for older imports
 from flowprefill.contracts.names import Kernels
 from flowprefill.executor.threadlocal import ThreadSlot
 
