@@ -38,7 +38,8 @@ def test_unknown_kernels_name_is_refused_naming_the_field() -> None:
         EngineConfig(kernels="turbo")
 
 
-def test_tensor_parallel_serving_is_refused_with_a_pointer_to_the_docs() -> None:
+def test_tensor_parallel_beyond_one_machine_is_refused_with_a_pointer_to_the_docs() -> None:
     # Refused where the config is read, before any model loads or pod starts.
-    with pytest.raises(ValidationError, match=r"tp_size(.|\n)*docs/executor\.md"):
-        EngineConfig(model_path="tiny-llama", tp_size=2)
+    assert EngineConfig(model_path="tiny-llama", tp_size=8).tp_size == 8
+    with pytest.raises(ValidationError, match=r"tp_size=9(.|\n)*docs/executor\.md"):
+        EngineConfig(model_path="tiny-llama", tp_size=9)

@@ -29,8 +29,11 @@ from flowprefill.contracts.names import (
 )
 from flowprefill.errors import InvalidRequestError
 
-MAX_TP_SIZE = 1
-"""Largest tensor-parallel degree the engine serves (TP serving is not wired in yet)."""
+MAX_TP_SIZE = 8
+"""Largest tensor-parallel degree the engine serves: the ranks of one instance run as
+processes on one machine (one pod), and no common machine has more than 8 GPUs on one
+NVLink domain. Whether a model splits ``tp_size`` ways (attention and KV heads divisible
+by it) is checked when the engine loads the model (docs/executor.md)."""
 
 
 class KVHandoffSettings(BaseModel):
@@ -100,8 +103,8 @@ class EngineConfig(BaseModel):
     tp_size: int = Field(
         1,
         ge=1,
-        description=f"Tensor-parallel degree (at most {MAX_TP_SIZE} until tensor-parallel "
-        "serving lands).",
+        description=f"Tensor-parallel degree: ranks (processes) of this instance, 1 to "
+        f"{MAX_TP_SIZE}; the model's attention and KV heads must divide by it.",
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: torch's default)."
@@ -115,8 +118,8 @@ class EngineConfig(BaseModel):
     def _servable_tp(cls, value: int) -> int:
         if value > MAX_TP_SIZE:
             raise ValueError(
-                f"tp_size={value}: tensor-parallel serving is not supported yet; the engine "
-                f"runs at most tp_size={MAX_TP_SIZE} (docs/executor.md)"
+                f"tp_size={value}: the engine runs at most tp_size={MAX_TP_SIZE} ranks, all "
+                "on one machine (docs/executor.md, tensor parallelism)"
             )
         return value
 
