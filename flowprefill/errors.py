@@ -40,6 +40,11 @@ class EngineClosedError(FlowPrefillError, RuntimeError):
     """The engine is shutting down and accepts no new requests."""
 
 
+class RankFailedError(EngineClosedError):
+    """A tensor-parallel rank of this instance died or stopped answering: the instance is
+    down (servers answer 503 and exit, so the pod restarts)."""
+
+
 # ------------------------------------------------------------- KV hand-off
 
 

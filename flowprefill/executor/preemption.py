@@ -22,11 +22,21 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Protocol
 
 from flowprefill.errors import TaskCancelledError
 from flowprefill.executor.threadlocal import ThreadSlot
 
 SyncFn = Callable[[], None]
+
+
+class CheckpointGate(Protocol):
+    """Replaces the park-at-the-next-checkpoint rule of one task (see TaskControl.gate)."""
+
+    def at_checkpoint(self, control: TaskControl) -> None:
+        """Called at every checkpoint after ``num_checkpoints`` was incremented; parks
+        with :meth:`TaskControl.park` when the agreed checkpoint is reached."""
+        ...
 
 
 class TaskControl:
@@ -40,6 +50,7 @@ class TaskControl:
         "_resume",
         "cancelled",
         "device_sync",
+        "gate",
         "name",
         "num_checkpoints",
         "num_checkpoints_expected",
@@ -55,6 +66,10 @@ class TaskControl:
         # Called before ACK so a parked task leaves no queued device work behind
         # (CUDA: synchronise the task's stream). None on CPU, where ops are synchronous.
         self.device_sync = device_sync
+        self.gate: CheckpointGate | None = None
+        """Tensor parallelism: decides at which checkpoint this rank parks, so that every
+        rank parks at the same one (:mod:`flowprefill.tp.agreement`). None: park at the
+        first checkpoint after the signal."""
         self._cond = threading.Condition()
         self._acked = False
         self._parked = False
@@ -66,8 +81,21 @@ class TaskControl:
     def check(self) -> None:
         """One preemption checkpoint, called from the task's own thread."""
         self.num_checkpoints += 1
-        if self.preempt_requested or self.cancelled:
+        gate = self.gate
+        if gate is not None:
+            gate.at_checkpoint(self)
+        elif self.preempt_requested or self.cancelled:
             self._park()
+
+    def park(self) -> None:
+        """Park now (a gate's decision): device sync, ACK, wait for resume or cancel.
+        Raises TaskCancelledError if the task is, or becomes, cancelled."""
+        self._park()
+
+    def wait_parked_or_done(self, timeout_s: float | None = None) -> bool:
+        """Block until the task is parked or finished; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._parked or self._done, timeout=timeout_s)
 
     def _park(self) -> None:
         if self.cancelled:

@@ -15,7 +15,7 @@ Typical use by the execution pool, one thread per task::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,9 @@ from flowprefill.executor.packing import PackedBatch, chunk_segments, chunk_span
 from flowprefill.executor.preemption import TaskControl, activate, current_control
 
 PromptLike = Sequence[int] | torch.Tensor
+KVGather = Callable[
+    [list[tuple[torch.Tensor, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]
+]
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class PreemptibleExecutor:
         sync: str = "every_check",
         backend: DeviceBackend | None = None,
         kernels: str | Kernels | None = None,
+        kv_gather: KVGather | None = None,
     ) -> None:
         """``sync`` (``every_check`` | ``on_preempt``) only matters on CUDA; see
         :mod:`flowprefill.executor.device` for the trade-off. ``backend`` overrides the
@@ -96,7 +100,11 @@ class PreemptibleExecutor:
         bit-identical to calling the model directly. The executor reads no environment:
         :meth:`~flowprefill.contracts.EngineConfig.resolved_kernels` applies
         ``$FLOWPREFILL_KERNELS``.
-        Either way a resumed prefill is bit-identical to an uninterrupted one."""
+        Either way a resumed prefill is bit-identical to an uninterrupted one.
+
+        ``kv_gather`` (tensor parallelism) maps the batch's per-layer ``(key, value)``,
+        each ``[1, kv_heads_here, tokens, head_dim]``, to the ones the outputs carry: rank 0
+        gathers every rank's heads (:func:`flowprefill.tp.ranks.gather_kv_heads`)."""
         granularity = check_granularity(granularity)
         self.kernels = resolve_kernels(kernels)
         self.sync_mode: SyncMode = check_sync_mode(sync)
@@ -110,6 +118,7 @@ class PreemptibleExecutor:
         self.backend.prepare()
         self.granularity = granularity
         self.chunk_size = chunk_size
+        self._kv_gather = kv_gather
         self._on_boundary = boundary_fn(self.backend, self.sync_mode)
         # Attention runs per request segment (see executor/attention.py); restored by close().
         self._original_attention = model.config._attn_implementation
@@ -269,6 +278,8 @@ class PreemptibleExecutor:
         self, batch: PackedBatch, cache: DynamicCache, logits: list[torch.Tensor]
     ) -> list[PrefillOutput]:
         layer_kv = [_full_kv(layer, batch.num_tokens) for layer in cache.layers]
+        if self._kv_gather is not None:
+            layer_kv = self._kv_gather(layer_kv)
         # One device→host transfer for all first tokens (each .item() would be a sync).
         first_tokens = torch.stack(logits).argmax(dim=-1).tolist()
         outputs = []
