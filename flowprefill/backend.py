@@ -6,17 +6,44 @@ Kept apart from the engine so the scheduler and pool never import torch or trans
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from rich.console import Console
 from transformers import PreTrainedModel
 
 from flowprefill.contracts import EngineConfig
-from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.executor.preemption import TaskControl
+from flowprefill.executor.runner import PreemptibleExecutor, PrefillOutput, PromptLike
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.predictor.profile import ProfileReport, profile
 
+if TYPE_CHECKING:
+    from flowprefill.tp.backend import TPBackend
+
 log = logging.getLogger(__name__)
+
+
+class ModelBackend(Protocol):
+    """What the engine, the profiler and the KV sink need of a prefill backend: a
+    :class:`PreemptibleExecutor` (one rank) or a :class:`~flowprefill.tp.backend.TPBackend`."""
+
+    @property
+    def max_prompt_tokens(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def validate(self, prompts: Sequence[PromptLike]) -> list[torch.Tensor]: ...
+
+    def run(self, prompts: Sequence[PromptLike], control: TaskControl) -> list[PrefillOutput]: ...
+
+    def close(self) -> None: ...
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,8 +71,25 @@ def build_executor(
     )
 
 
+def build_backend(config: EngineConfig) -> PreemptibleExecutor | TPBackend:
+    """The backend ``config`` asks for: one executor, or ``tp_size`` ranks (this process is
+    rank 0 and spawns the others; close the backend to stop them)."""
+    if config.tp_size > 1:
+        from flowprefill.tp.backend import TPBackend
+
+        return TPBackend(config)
+    return build_executor(config)
+
+
+def model_config_of(backend: PreemptibleExecutor | TPBackend) -> Any:
+    """The Hugging Face config of the model a backend runs (the KV fingerprint's source)."""
+    if isinstance(backend, PreemptibleExecutor):
+        return backend.model.config
+    return backend.model_config
+
+
 def profile_executor(
-    executor: PreemptibleExecutor,
+    executor: ModelBackend,
     *,
     min_tokens: int = 32,
     max_tokens: int = 4096,
@@ -61,11 +105,15 @@ def profile_executor(
 
     def run(n: int) -> None:
         ids = torch.randint(0, executor.vocab_size, (n,), generator=gen)
-        executor.prefill([ids])
+        # run(), not prefill(): with tensor parallelism every rank must take part.
+        executor.run([ids], TaskControl("profile"))
 
     hardware = str(executor.device)
     if executor.device.type == "cpu":
         hardware = f"cpu ({torch.get_num_threads()} threads)"
+    tp = getattr(getattr(executor, "config", None), "tp_size", 1)
+    if tp > 1:
+        hardware += f" × TP{tp}"
     return profile(
         run,
         min_tokens=min_tokens,
@@ -78,9 +126,7 @@ def profile_executor(
     )
 
 
-def quick_profile(
-    executor: PreemptibleExecutor, console: Console, model_name: str = ""
-) -> TTFTPredictor:
+def quick_profile(executor: ModelBackend, console: Console, model_name: str = "") -> TTFTPredictor:
     """A short sweep for demos (about ten seconds on the demo model)."""
     console.print("[dim]no TTFT profile given: profiling this machine briefly…[/dim]")
     report = profile_executor(

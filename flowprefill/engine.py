@@ -118,6 +118,7 @@ class PrefillEngine:
         self._lock = threading.Lock()
         self._futures: dict[str, Future[PrefillResult]] = {}
         self._accepting = False
+        self._failure: BaseException | None = None
 
     # -------------------------------------------------------------- lifecycle
 
@@ -164,6 +165,24 @@ class PrefillEngine:
         for fut in leftovers:
             _fail(fut, EngineClosedError("the prefill engine shut down"))
 
+    def fail(self, error: BaseException) -> None:
+        """The backend is gone (a tensor-parallel rank died): stop accepting and fail every
+        request in flight with ``error``. Idempotent; the engine cannot recover."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            self._accepting = False
+            futures = list(self._futures.values())
+            self._futures.clear()
+        for fut in futures:
+            _fail(fut, error)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine stopped for good (None while it is healthy or just closed)."""
+        with self._lock:
+            return self._failure
+
     @property
     def accepting(self) -> bool:
         with self._lock:
@@ -189,6 +208,9 @@ class PrefillEngine:
         from now (the remaining budget, possibly negative: such a request is still served).
         """
         if not self.accepting:
+            failure = self.failure
+            if isinstance(failure, EngineClosedError):
+                raise failure
             raise EngineClosedError("the prefill engine is not accepting requests")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not (isinstance(elapsed_s, int | float) and 0 <= elapsed_s < math.inf):
@@ -257,13 +279,7 @@ class PrefillEngine:
         m.preempted_tasks.set(len(self.scheduler.preempted))
 
     def _on_crash(self, error: BaseException) -> None:
-        with self._lock:
-            self._accepting = False
-            futures = list(self._futures.values())
-            self._futures.clear()
-        failure = RuntimeError(f"prefill scheduler failed: {type(error).__name__}: {error}")
-        for fut in futures:
-            _fail(fut, failure)
+        self.fail(RuntimeError(f"prefill scheduler failed: {type(error).__name__}: {error}"))
 
     def _pop_future(self, request_id: str) -> Future[PrefillResult] | None:
         with self._lock:

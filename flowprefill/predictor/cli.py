@@ -19,27 +19,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--granularity", default="operator", choices=["operator", "layer", "none"])
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: profile the TP engine the instance will run (ranks are "
+        "spawned here; on CPU the cores are split between them)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowprefill.backend import build_executor, profile_executor
+    from pydantic import ValidationError
+
+    from flowprefill.backend import build_backend, profile_executor
     from flowprefill.contracts import EngineConfig
 
     console = Console()
-    config = EngineConfig(
-        model_path=args.model, device=args.device, dtype=args.dtype, granularity=args.granularity
-    )
-    with console.status(f"loading {args.model}"):
-        executor = build_executor(config)
-    report = profile_executor(
-        executor,
-        min_tokens=args.min_tokens,
-        max_tokens=args.max_tokens,
-        num_points=args.points,
-        repeats=args.repeats,
-        degree=args.degree,
-        model_name=args.model,
-    )
+    try:
+        config = EngineConfig(
+            model_path=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            granularity=args.granularity,
+            tp_size=args.tp,
+        )
+    except ValidationError as e:
+        console.print(f"[red]bad profile settings: {e}[/red]")
+        return 2
+    with console.status(f"loading {args.model} (tp_size {args.tp})"):
+        backend = build_backend(config)
+    try:
+        report = profile_executor(
+            backend,
+            min_tokens=args.min_tokens,
+            max_tokens=args.max_tokens,
+            num_points=args.points,
+            repeats=args.repeats,
+            degree=args.degree,
+            model_name=args.model,
+        )
+    finally:
+        backend.close()
     p = report.predictor
     table = Table(title=f"TTFT profile of {args.model} on {p.hardware}")
     table.add_column("tokens", justify="right")

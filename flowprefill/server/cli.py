@@ -80,47 +80,64 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     from rich.console import Console
 
-    from flowprefill.backend import build_executor, load_engine_model, quick_profile
+    from flowprefill.backend import build_backend, model_config_of, quick_profile
     from flowprefill.engine import PrefillEngine
     from flowprefill.predictor.model import TTFTPredictor
     from flowprefill.server.prefill import create_app
+    from flowprefill.tp.backend import TPBackend
     from flowprefill.web.errors import BodySizeLimit
 
     config = resolve_config(args)
-    model = load_engine_model(config)
-    executor = build_executor(config, model)
-    predictor = (
-        TTFTPredictor.load(config.predictor_path)
-        if config.predictor_path
-        else quick_profile(executor, Console(stderr=True), model_name=config.model_path)
-    )
-    engine = PrefillEngine(
-        executor,
-        predictor,
-        policy=config.policy,
-        batching=config.batching,
-        token_budget=config.batch_token_budget,
-    )
-    kv_sink = kv_handoff(config.kv, args.host, args.port, model.config)
-    # /v1/kv/<id>: decode pulls hand-offs from it (http); the gateway deletes the ones
-    # decode will not load through it (both transports).
-    kv_store = kv_sink.transport if kv_sink is not None else None
-    app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store)
-    log.info(
-        "prefill instance: %s, granularity %s, policy %s, port %d",
-        config.model_path,
-        config.granularity,
-        config.policy,
-        args.port,
-    )
-    uvicorn.run(
-        BodySizeLimit(app, int(args.max_body_mb * 2**20)),
-        host=args.host,
-        port=args.port,
-        timeout_graceful_shutdown=int(args.drain_timeout),
-        log_level="info",
-    )
-    return 0
+    backend = build_backend(config)
+    tp = backend if isinstance(backend, TPBackend) else None
+    try:
+        predictor = (
+            TTFTPredictor.load(config.predictor_path)
+            if config.predictor_path
+            else quick_profile(backend, Console(stderr=True), model_name=config.model_path)
+        )
+        engine = PrefillEngine(
+            backend,
+            predictor,
+            policy=config.policy,
+            batching=config.batching,
+            token_budget=config.batch_token_budget,
+        )
+        kv_sink = kv_handoff(config.kv, args.host, args.port, model_config_of(backend))
+        # /v1/kv/<id>: decode pulls hand-offs from it (http); the gateway deletes the ones
+        # decode will not load through it (both transports).
+        kv_store = kv_sink.transport if kv_sink is not None else None
+        app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store)
+        log.info(
+            "prefill instance: %s, granularity %s, policy %s, tp_size %d, port %d",
+            config.model_path,
+            config.granularity,
+            config.policy,
+            config.tp_size,
+            args.port,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                BodySizeLimit(app, int(args.max_body_mb * 2**20)),
+                host=args.host,
+                port=args.port,
+                timeout_graceful_shutdown=int(args.drain_timeout),
+                log_level="info",
+            )
+        )
+        if tp is not None:
+
+            def rank_failed(error: BaseException) -> None:
+                # In-flight requests get a 503 naming the rank, /ready fails, and the
+                # server exits non-zero so that the pod restarts.
+                engine.fail(error)
+                server.should_exit = True
+
+            tp.group.on_failure(rank_failed)
+        server.run()
+    finally:
+        backend.close()
+    return 1 if tp is not None and tp.group.failure is not None else 0
 
 
 def kv_handoff(

@@ -157,10 +157,15 @@ def create_app(
 
     add_probe_routes(
         app,
-        not_ready=lambda: None if engine.accepting else "draining",
+        not_ready=lambda: None if engine.accepting else _why_not_ready(engine),
         registry=engine.metrics.registry,
     )
     return app
+
+
+def _why_not_ready(engine: PrefillEngine) -> str:
+    failure = engine.failure
+    return "draining" if failure is None else f"failed: {failure}"
 
 
 def _add_kv_routes(app: FastAPI, store: SharedDirTransport) -> None:

@@ -252,7 +252,12 @@ class RankGroup:
 
         if config.tp_size < 2:
             raise ValueError("a RankGroup needs tp_size >= 2")
+        from flowprefill.models.loader import resolve_model_path
+
         ctx = multiprocessing.get_context("spawn")
+        # Resolved once, here: a built-in name is materialised before any rank reads it.
+        path = str(resolve_model_path(config.model_path))
+        config = config.model_copy(update={"model_path": path})
         self.config = config
         self.world = config.tp_size
         self.table = SharedTable(self.world, ctx=ctx)
