@@ -112,6 +112,7 @@ def decode_process(
     kv_path: str | None = None,
     host: str | None = None,
     cpu: bool = False,
+    tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
 ) -> ProcessSpec:
     """vLLM's OpenAI server loading hand-offs through the FlowPrefill connector.
@@ -119,7 +120,9 @@ def decode_process(
     ``kv_path``: the shared hand-off directory (``shared_dir``) or this instance's cache
     of pulled hand-offs (``http``); no transport leaves the connector its defaults (the
     shared directory of ``$FLOWPREFILL_KV_DIR``). On a CPU host the connector caps vLLM's
-    idle busy-wait (docs/kv.md), which a GPU node does not need."""
+    idle busy-wait (docs/kv.md), which a GPU node does not need.
+    ``tensor_parallel_size > 1``: vLLM runs that many ranks itself
+    (``--tensor-parallel-size``); one rank adds no flag (vLLM's default)."""
     config = (
         kv_transfer_config(kv_path, transport=kv_transport)
         if kv_transport is not None
@@ -129,6 +132,8 @@ def decode_process(
         "--model", model_path, *_listen(host, port),
         "--kv-transfer-config", json.dumps(config, separators=(",", ":")),
     ]  # fmt: skip
+    if tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return ProcessSpec(
         role=Role.DECODE,
         launcher=launcher.vllm,

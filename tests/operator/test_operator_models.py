@@ -116,8 +116,24 @@ BAD_POOLS = [
     ({"engine": {"granularity": "token"}}, "granularity"),
     ({"engine": {"batchTokenBudget": 0}}, "batchTokenBudget"),
     ({"engine": {"chunkSize": 8192, "batchTokenBudget": 4096}}, "chunkSize must not exceed"),
-    ({"engine": {"tpSize": 4}, "resources": {"gpusPerPod": 2}}, "engine.tpSize needs"),
-    ({"engine": {"tpSize": 2}, "resources": {"gpusPerPod": 2}}, "engine.tpSize must be at most 1"),
+    (
+        {"engine": {"tpSize": 4}, "resources": {"gpusPerPod": 2}},
+        "engine.tpSize must not exceed resources.gpusPerPod",
+    ),
+    ({"resources": {"gpusPerPod": 0}}, "engine.tpSize must not exceed resources.gpusPerPod"),
+    ({"engine": {"tpSize": 9}, "resources": {"gpusPerPod": 16}}, "tpSize"),
+    ({"engine": {"tpSize": 0}}, "tpSize"),
+    (
+        {"role": "decode", "vllm": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 2}},
+        "vllm.tensorParallelSize must not exceed resources.gpusPerPod",
+    ),
+    ({"role": "decode", "vllm": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+    ({"vllm": {"tensorParallelSize": 1}}, "vllm applies to role=decode"),
+    (
+        {"role": "decode", "vllmArgs": ["--tensor-parallel-size=2"]},
+        "not in vllmArgs",
+    ),
+    ({"role": "decode", "vllmArgs": ["-tp", "2"]}, "not in vllmArgs"),
     ({"role": "decode", "engine": {}}, "engine applies to role=prefill"),
     ({"vllmArgs": ["--foo"]}, "vllmArgs applies to role=decode"),
     ({"model": {"path": "/data/m", "pvc": {"claimName": "w"}}}, "path must lie under pvc"),
@@ -148,12 +164,52 @@ def test_bad_pools_are_refused_by_schema_cel_and_model(
         ServingPoolSpec.model_validate(obj["spec"])
 
 
-def test_tensor_parallel_is_refused_naming_the_field(crd_schemas: Any) -> None:
-    """Until TP serving lands the CRD admits only what the engine runs: tpSize 1."""
-    obj = _pool(engine={"tpSize": 2, "device": "cpu"})
-    assert any("engine.tpSize must be at most 1" in e for e in validate_cr(obj, crd_schemas))
-    with pytest.raises(ValidationError, match=r"engine\.tpSize must be at most 1"):
+GOOD_TP_POOLS = [
+    {"engine": {"tpSize": 4}, "resources": {"gpusPerPod": 4}},
+    {"engine": {"tpSize": 8}, "resources": {"gpusPerPod": 8}},
+    {"engine": {"tpSize": 2}, "resources": {"gpusPerPod": 4}},  # spare GPUs idle
+    {"engine": {"tpSize": 2, "device": "cpu"}, "resources": {"gpusPerPod": 0}},  # CPU ranks
+    {"role": "decode", "vllm": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 4}},
+    {"role": "decode", "vllm": {"tensorParallelSize": 2}, "resources": {"gpusPerPod": 0}},
+]
+
+
+@pytest.mark.parametrize("spec", GOOD_TP_POOLS, ids=str)
+def test_tensor_parallel_pools_within_their_gpus_are_admitted(
+    spec: dict[str, Any], crd_schemas: Any
+) -> None:
+    obj = _pool(**spec)
+    assert validate_cr(obj, crd_schemas) == []
+    parsed = ServingPoolSpec.model_validate(obj["spec"])
+    assert parsed.tensor_parallel_size == (
+        spec.get("engine", {}).get("tpSize") or spec["vllm"]["tensorParallelSize"]
+    )
+
+
+def test_more_ranks_than_gpus_is_refused_naming_both_fields(crd_schemas: Any) -> None:
+    """The API server (CEL) and the operator's parse answer with the same message."""
+    obj = _pool(engine={"tpSize": 4}, resources={"gpusPerPod": 2})
+    (error,) = validate_cr(obj, crd_schemas)
+    assert "engine.tpSize" in error and "resources.gpusPerPod" in error
+    with pytest.raises(ValidationError) as exc:
         ServingPoolSpec.model_validate(obj["spec"])
+    message = str(exc.value)
+    assert "engine.tpSize must not exceed resources.gpusPerPod" in message
+    assert "(engine.tpSize=4, resources.gpusPerPod=2)" in message
+
+
+def test_the_crd_admits_exactly_the_engines_tp_sizes(crd_schemas: Any) -> None:
+    from flowprefill.contracts.engine import MAX_TP_SIZE
+
+    def refused(tp: int) -> bool:
+        obj = _pool(engine={"tpSize": tp}, resources={"gpusPerPod": 16})
+        return bool(validate_cr(obj, crd_schemas))
+
+    assert [tp for tp in range(0, 12) if not refused(tp)] == list(range(1, MAX_TP_SIZE + 1))
+    with pytest.raises(ValidationError, match=r"tpSize"):
+        ServingPoolSpec.model_validate(
+            _pool(engine={"tpSize": MAX_TP_SIZE + 1}, resources={"gpusPerPod": 16})["spec"]
+        )
 
 
 def test_good_pool_passes_both(crd_schemas: Any) -> None:

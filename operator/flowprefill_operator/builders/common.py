@@ -133,12 +133,15 @@ def container_security_context() -> dict[str, Any]:
     }
 
 
-def scratch_volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Writable /tmp (caches, HOME) and a memory-backed /dev/shm for torch/NCCL."""
-    volumes = [
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-    ]
+def scratch_volumes(
+    shm_size_limit: str | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Writable /tmp (caches, HOME) and a memory-backed /dev/shm for torch/NCCL (the
+    container runtime's own is 64 MiB); its pages count against the pod's memory."""
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if shm_size_limit is not None:
+        shm["sizeLimit"] = shm_size_limit
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "dshm", "emptyDir": shm}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}]
     return volumes, mounts
 

@@ -64,12 +64,49 @@ def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
         tp_size=engine.tp_size,
         device=engine.device,
         dtype=engine.dtype,
+        num_threads=threads_per_rank(spec),
         kv=KVHandoffSettings(
             transport=kv.transport, dir=kv.mount_path, max_age_s=kv.max_age_seconds
         )
         if (kv := spec.kv_handoff)
         else None,
     )
+
+
+_SUFFIXES = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
+
+
+def quantity_value(quantity: str) -> float:
+    """A Kubernetes quantity as the CRD's pattern admits it (``"8"``, ``"500m"``, ``"4Gi"``)."""
+    number = quantity.rstrip("mkMGTi")
+    return float(number) * _SUFFIXES.get(quantity[len(number) :], 1.0)
+
+
+def threads_per_rank(spec: ServingPoolSpec) -> int | None:
+    """torch threads of each engine rank on a CPU pool with a CPU limit: the pod's cores
+    shared by its ranks (torch's default counts the node's cores, not the pod's limit, so
+    N ranks would each start one thread per node core). GPU pools and pods without a CPU
+    limit keep the engine's default."""
+    cpu = spec.resources.cpu
+    if spec.engine_settings.device != "cpu" or cpu is None:
+        return None
+    return max(1, int(quantity_value(cpu)) // spec.engine_settings.tp_size)
+
+
+SHM_PER_RANK_GI = 1
+"""/dev/shm per tensor-parallel rank when the pool sets none: NCCL's shared-memory
+transport and proxy, vLLM's shared-memory broadcast queue, torch tensors passed between
+processes (vLLM's Kubernetes guide mounts 2Gi for its multi-GPU example)."""
+
+
+def shm_size_limit(spec: ServingPoolSpec) -> str | None:
+    """sizeLimit of the pod's memory-backed /dev/shm: ``resources.shmSize``, else 1Gi per
+    rank with tensor parallelism, else none (one process needs little; as before)."""
+    if spec.resources.shm_size is not None:
+        return spec.resources.shm_size
+    tp = spec.tensor_parallel_size
+    return f"{tp * SHM_PER_RANK_GI}Gi" if tp > 1 else None
 
 
 def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
@@ -91,6 +128,7 @@ def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
         kv_transport=transport,
         kv_path=kv.mount_path if kv else None,
         cpu=spec.resources.gpus_per_pod == 0,
+        tensor_parallel_size=spec.vllm_settings.tensor_parallel_size,
         extra_args=spec.vllm_args,
     )
 
@@ -164,7 +202,7 @@ def build_engine_configmap(pool: PoolRef) -> Manifest:
 def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: str) -> Manifest:
     spec = pool.spec
     labels = component_labels(spec.service, spec.role) | pool_selector(pool.name)
-    volumes, mounts = scratch_volumes()
+    volumes, mounts = scratch_volumes(shm_size_limit(spec))
     model_volumes, model_mounts = model_volume(spec)
     volumes += model_volumes
     mounts += model_mounts

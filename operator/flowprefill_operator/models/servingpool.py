@@ -10,10 +10,31 @@ from flowprefill.contracts.engine import MAX_TP_SIZE
 
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
 
-TP_REFUSED = (
-    f"engine.tpSize must be at most {MAX_TP_SIZE}: tensor-parallel serving is not supported "
-    "yet (docs/operator.md)"
+MAX_GPUS_PER_POD = 16
+"""Most GPUs one pod asks for (no common node has more)."""
+
+PREFILL_TP_REFUSED = (
+    "engine.tpSize must not exceed resources.gpusPerPod when engine.device is cuda: each "
+    "rank of the pod's engine drives a GPU of its own (an unset engine runs cuda, tpSize 1)"
 )
+DECODE_TP_REFUSED = (
+    "vllm.tensorParallelSize must not exceed resources.gpusPerPod: each vLLM rank drives a "
+    "GPU of its own (gpusPerPod 0: vLLM's CPU backend)"
+)
+VLLM_ARGS_TP_REFUSED = (
+    "set the tensor-parallel degree with vllm.tensorParallelSize, not in vllmArgs (the "
+    "operator sizes the pod's GPUs and /dev/shm from it)"
+)
+TP_ARG_PREFIXES = ("--tensor-parallel", "--tensor_parallel", "-tp=")
+TP_SHORT_FLAG = "-tp"
+"""vLLM's spellings of its tensor-parallel flag: ``--tensor-parallel-size 2``, its
+abbreviations and underscore form, ``-tp 2``, ``-tp=2``."""
+
+
+def sets_tensor_parallel(arg: str) -> bool:
+    """Whether a vLLM argument sets the tensor-parallel degree (the CRD's rule, in Python)."""
+    return arg == TP_SHORT_FLAG or arg.startswith(TP_ARG_PREFIXES)
+
 
 Role = Literal["prefill", "decode"]
 Granularity = Literal["operator", "layer", "none"]
@@ -172,7 +193,6 @@ class EngineSettings(CRModel):
                     "!has(self.chunkSize) || self.chunkSize <= self.batchTokenBudget",
                     "chunkSize must not exceed batchTokenBudget",
                 ),
-                cel(f"!has(self.tpSize) || self.tpSize <= {MAX_TP_SIZE}", TP_REFUSED),
             ]
         }
     )
@@ -201,9 +221,10 @@ class EngineSettings(CRModel):
     tp_size: int = Field(
         default=1,
         ge=1,
-        le=16,
-        description=f"Tensor-parallel degree; at most {MAX_TP_SIZE} until tensor-parallel "
-        "serving lands (the engine refuses more).",
+        le=MAX_TP_SIZE,
+        description=f"Tensor-parallel degree, 1 to {MAX_TP_SIZE}: ranks of the one engine "
+        "instance each pod runs (the engine spawns them; with cuda one GPU each, so "
+        "resources.gpusPerPod must be at least this).",
     )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="Device the engine runs on.")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
@@ -212,8 +233,6 @@ class EngineSettings(CRModel):
 
     @model_validator(mode="after")
     def _mirror_cel(self) -> EngineSettings:
-        if self.tp_size > MAX_TP_SIZE:
-            raise ValueError(f"{TP_REFUSED} (got {self.tp_size})")
         if self.chunk_size is not None and self.chunk_size > self.batch_token_budget:
             raise ValueError("chunkSize must not exceed batchTokenBudget")
         return self
@@ -236,7 +255,13 @@ class Toleration(CRModel):
 class PoolResources(CRModel):
     """What each pod of the pool needs and where it may run."""
 
-    gpus_per_pod: int = Field(default=1, ge=0, le=16, description="GPUs requested per pod.")
+    gpus_per_pod: int = Field(
+        default=1,
+        ge=0,
+        le=MAX_GPUS_PER_POD,
+        description="GPUs requested per pod (requests and limits); at least the pool's "
+        "tensor-parallel degree on GPU.",
+    )
     gpu_resource_name: str = Field(
         default="nvidia.com/gpu", max_length=253, description="Extended resource name of a GPU."
     )
@@ -249,6 +274,25 @@ class PoolResources(CRModel):
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=32, description="Taints the pods tolerate."
+    )
+    shm_size: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        max_length=64,
+        description="sizeLimit of the pod's memory-backed /dev/shm (counts against memory); "
+        "unset: 1Gi per tensor-parallel rank when the pool runs more than one, else no limit.",
+    )
+
+
+class VLLMSettings(CRModel):
+    """Decode (vLLM) settings the operator understands; the rest go in ``vllmArgs``."""
+
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_GPUS_PER_POD,
+        description="vLLM's --tensor-parallel-size: ranks of the one vLLM server each pod "
+        "runs, one GPU each (resources.gpusPerPod must be at least this).",
     )
 
 
@@ -265,10 +309,24 @@ class ServingPoolSpec(CRModel):
                     "self.role == 'decode' || !has(self.vllmArgs) || size(self.vllmArgs) == 0",
                     "vllmArgs applies to role=decode",
                 ),
+                cel("self.role == 'decode' || !has(self.vllm)", "vllm applies to role=decode"),
                 cel(
-                    "!has(self.engine) || self.engine.device != 'cuda'"
-                    " || self.engine.tpSize <= self.resources.gpusPerPod",
-                    "engine.tpSize needs at least that many resources.gpusPerPod",
+                    "self.role != 'prefill' || (has(self.engine) ? self.engine.device != 'cuda'"
+                    " || self.engine.tpSize <= self.resources.gpusPerPod"
+                    " : self.resources.gpusPerPod >= 1)",
+                    PREFILL_TP_REFUSED,
+                ),
+                cel(
+                    "!has(self.vllm) || self.resources.gpusPerPod == 0"
+                    " || self.vllm.tensorParallelSize <= self.resources.gpusPerPod",
+                    DECODE_TP_REFUSED,
+                ),
+                cel(
+                    "!has(self.vllmArgs) || !self.vllmArgs.exists(a, "
+                    f"a == '{TP_SHORT_FLAG}' || "
+                    + " || ".join(f"a.startsWith('{p}')" for p in TP_ARG_PREFIXES)
+                    + ")",
+                    VLLM_ARGS_TP_REFUSED,
                 ),
                 cel("self.role == oldSelf.role", "role is immutable"),
                 cel("self.service == oldSelf.service", "service is immutable"),
@@ -297,6 +355,9 @@ class ServingPoolSpec(CRModel):
         description="KV hand-off from prefill to decode (same in both pools); unset = decode "
         "recomputes the prompt.",
     )
+    vllm: VLLMSettings | None = Field(
+        default=None, description="Decode (vLLM) settings (role=decode; defaults apply if unset)."
+    )
     vllm_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list,
         max_length=64,
@@ -318,15 +379,39 @@ class ServingPoolSpec(CRModel):
             raise ValueError("engine applies to role=prefill")
         if self.role != "decode" and self.vllm_args:
             raise ValueError("vllmArgs applies to role=decode")
-        engine = self.engine
-        if engine and engine.device == "cuda" and engine.tp_size > self.resources.gpus_per_pod:
-            raise ValueError("engine.tpSize needs at least that many resources.gpusPerPod")
+        if self.role != "decode" and self.vllm is not None:
+            raise ValueError("vllm applies to role=decode")
+        gpus = self.resources.gpus_per_pod
+        tp = self.tensor_parallel_size
+        if self.role == "prefill" and self.engine_settings.device == "cuda" and tp > gpus:
+            raise ValueError(
+                f"{PREFILL_TP_REFUSED} (engine.tpSize={tp}, resources.gpusPerPod={gpus})"
+            )
+        if self.role == "decode" and gpus and tp > gpus:
+            raise ValueError(
+                f"{DECODE_TP_REFUSED} (vllm.tensorParallelSize={tp}, resources.gpusPerPod={gpus})"
+            )
+        if any(sets_tensor_parallel(a) for a in self.vllm_args):
+            raise ValueError(VLLM_ARGS_TP_REFUSED)
         return self
 
     @property
     def engine_settings(self) -> EngineSettings:
         """Engine settings with defaults (prefill pools may omit the block)."""
         return self.engine or EngineSettings()
+
+    @property
+    def vllm_settings(self) -> VLLMSettings:
+        """vLLM settings with defaults (decode pools may omit the block)."""
+        return self.vllm or VLLMSettings()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks of the one instance each pod runs: ``engine.tpSize`` (prefill) or
+        ``vllm.tensorParallelSize`` (decode)."""
+        if self.role == "prefill":
+            return self.engine_settings.tp_size
+        return self.vllm_settings.tensor_parallel_size
 
 
 class ServingPoolStatus(CRModel):
