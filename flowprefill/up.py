@@ -50,6 +50,7 @@ from flowprefill.contracts.deployment import (
     OFFLINE_ENV,
     PREFILL_PORT,
 )
+from flowprefill.contracts.engine import MAX_TP_SIZE
 from flowprefill.contracts.processes import (
     Launcher,
     ProcessSpec,
@@ -134,6 +135,37 @@ def name_arg(enum: type[N]) -> Callable[[str], N]:
     return parse
 
 
+def tp_arg(value: str) -> int:
+    """An argparse ``type`` for ``--tp``: the degrees the engine serves."""
+    try:
+        tp = int(value)
+    except ValueError:
+        tp = 0
+    if not 1 <= tp <= MAX_TP_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a tensor-parallel degree: the engine runs 1 to {MAX_TP_SIZE} "
+            "ranks per instance"
+        )
+    return tp
+
+
+def machine_cores() -> int:
+    """Cores this process may run on (a cpuset or taskset limits them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(args: argparse.Namespace) -> int | None:
+    """``--threads``, else with tensor parallelism the machine's cores split among one
+    instance's ranks (each rank's torch would otherwise start a thread per core), else
+    torch's default."""
+    if args.threads is not None:
+        return int(args.threads)
+    return max(1, machine_cores() // args.tp) if args.tp > 1 else None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo-llama", help="built-in tiny model or local dir")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
@@ -167,7 +199,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--profile", help="TTFT profile JSON (profiled once at start when absent)")
     p.add_argument("--run-dir", help="where configs, logs and KV hand-offs go")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per prefill")
+    p.add_argument(
+        "--tp",
+        type=tp_arg,
+        default=1,
+        help=f"tensor-parallel ranks per prefill instance (1-{MAX_TP_SIZE}): the instance "
+        "spawns them as processes on this machine (CPU: gloo; docs/executor.md)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per prefill rank (default with --tp N: this machine's cores / N)",
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument(
         "--kv-transport",
@@ -290,7 +334,8 @@ def plan_stack(
             batch_token_budget=args.batch_token_budget,
             chunk_size=args.chunk_size,
             predictor_path=str(profile),
-            num_threads=args.threads,
+            tp_size=args.tp,
+            num_threads=threads_per_rank(args),
             kv=KVHandoffSettings(transport=args.kv_transport, dir=str(kv_dir)),
         )
         files[f"engine-{i}.json"] = cfg.model_dump_json(indent=2)
@@ -335,7 +380,7 @@ def plan_stack(
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowprefill.backend import build_executor, quick_profile
+    from flowprefill.backend import build_backend, quick_profile
     from flowprefill.models import resolve_model_path
     from flowprefill.predictor.model import TTFTPredictor
 
@@ -358,8 +403,12 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         predictor = TTFTPredictor.load(profile)
     else:
-        with build_executor(EngineConfig(model_path=str(model_dir))) as executor:
-            predictor = quick_profile(executor, console, model_name=args.model)
+        # Profiled as the instances run (ranks, threads): the predictor times their prefills.
+        measured = EngineConfig(
+            model_path=str(model_dir), tp_size=args.tp, num_threads=threads_per_rank(args)
+        )
+        with build_backend(measured) as backend:
+            predictor = quick_profile(backend, console, model_name=args.model)
         predictor.save(profile)
     scale = machine_scale(predictor.predict_s(SCALE_AT_TOKENS))
     table = slo_table(scale)

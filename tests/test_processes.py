@@ -163,3 +163,31 @@ def test_up_and_the_operator_render_the_same_processes(tmp_path: Path, transport
     assert local.kv.transport == remote.kv.transport
     if transport == "http":  # decode pulls from the address the prefill process advertises
         assert "FLOWPREFILL_KV_ADVERTISE_URL" in _child_env(up["children"]["prefill"])
+
+
+def test_a_tensor_parallel_instance_is_the_same_one_process_on_both_sides(
+    tmp_path: Path,
+) -> None:
+    """``up --tp 2`` and a CPU pool with ``engine.tpSize: 2`` start the same single
+    ``serve-prefill`` process (it spawns its ranks) with ``tp_size: 2`` in engine.json."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tp", "2", "--decode", "0"])
+    plan = plan_stack(args, Path(MODEL), tmp_path / "p.json", SLOTable.paper(), tmp_path)
+    (child,) = [c for c in plan.children if c.process.role.value == "prefill"]
+    spec = ServingPoolSpec.model_validate(
+        {"service": "m", "role": "prefill", "model": {"path": MODEL},
+         "engine": {"device": "cpu", "tpSize": 2}, "resources": {"gpusPerPod": 0}}
+    )  # fmt: skip
+    children = build_pool_children(PoolRef("m-prefill", "ns", "u", spec), OperatorSettings())
+    (dep,) = [m for m in children if m["kind"] == "Deployment"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    paths = {f"{tmp_path}/engine-0.json": "<engine.json>", ENGINE_CONFIG_PATH: "<engine.json>"}
+    launcher = len(Launcher.image().flowprefill)
+    assert _normalise(list(child.process.args), paths) == _normalise(
+        container["command"][launcher:], paths
+    )
+    (cm,) = [m for m in children if m["kind"] == "ConfigMap"]
+    local = EngineConfig.model_validate_json(plan.files["engine-0.json"])
+    remote = EngineConfig.model_validate_json(cm["data"]["engine.json"])
+    assert local.tp_size == remote.tp_size == 2

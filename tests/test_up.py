@@ -116,3 +116,46 @@ def test_unknown_engine_policy_names_are_refused_before_anything_starts(
         err = capsys.readouterr().err
         assert f"argument {flag}: unknown" in err and f"'{value}'; expected one of" in err
     assert not any(tmp_path.iterdir())
+
+
+def _plan(tmp_path: Path, *flags: str) -> dict[str, EngineConfig]:
+    import argparse
+
+    from flowprefill.contracts import SLOTable
+    from flowprefill.up import add_arguments, plan_stack
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--prefill", "2", *flags])
+    plan = plan_stack(args, tmp_path / "m", tmp_path / "p.json", SLOTable.paper(), tmp_path)
+    return {
+        name: EngineConfig.model_validate_json(text)
+        for name, text in plan.files.items()
+        if name.startswith("engine-")
+    }
+
+
+def test_tp_runs_every_prefill_instance_with_n_ranks_sharing_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("flowprefill.up.machine_cores", lambda: 8)
+    engines = _plan(tmp_path, "--tp", "2")
+    assert [(e.tp_size, e.num_threads) for e in engines.values()] == [(2, 4), (2, 4)]
+    assert {e.tp_size for e in _plan(tmp_path, "--tp", "8").values()} == {8}
+    assert {e.num_threads for e in _plan(tmp_path, "--tp", "8").values()} == {1}
+    # --threads wins; one rank keeps torch's default as before.
+    assert {e.num_threads for e in _plan(tmp_path, "--tp", "2", "--threads", "3").values()} == {3}
+    assert {(e.tp_size, e.num_threads) for e in _plan(tmp_path).values()} == {(1, None)}
+
+
+@pytest.mark.parametrize("value", ["0", "9", "-1", "two"])
+def test_tp_outside_what_the_engine_serves_is_refused_before_anything_starts(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["up", "--tp", value, "--run-dir", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --tp: '{value}' is not a tensor-parallel degree" in err
+    assert "1 to 8 ranks per instance" in err
+    assert not any(tmp_path.iterdir())
