@@ -70,7 +70,9 @@ def test_servingpool_scale_and_printer_columns() -> None:
     assert names == ["Service", "Role", "Desired", "Ready", "Phase", "Age"]
 
 
-@pytest.mark.parametrize("name", ["slo-classes.yaml", "llama3-8b.yaml", "llama3-8b-hpa.yaml"])
+@pytest.mark.parametrize(
+    "name", ["slo-classes.yaml", "llama3-8b.yaml", "llama3-8b-hpa.yaml", "llama3-70b-tp.yaml"]
+)
 def test_examples_validate(name: str, repo_root: Path, crd_schemas: Any) -> None:
     for doc in load_docs(repo_root / "examples" / name):
         if doc["apiVersion"].startswith("flowprefill.io/"):

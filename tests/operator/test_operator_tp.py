@@ -11,6 +11,7 @@ and reported on the pool.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 
 from flowprefill.contracts import EngineConfig
 from tests.operator.cluster import Cluster, create, pool
+from tests.operator.conftest import load_docs
 from tests.operator.crdcheck import validate_cr
 from tests.operator.harness import wait_for
 
@@ -137,6 +139,16 @@ def test_vllm_reads_the_degree_and_every_spelling_the_crd_refuses() -> None:
     for extra in spellings:
         assert parser.parse_args(["--model", "/m", *extra]).tensor_parallel_size == 2, extra
         assert sets_tensor_parallel(extra[0]), extra
+
+
+def test_the_tp_example_renders_four_ranks_per_pod_in_both_roles(repo_root: Path) -> None:
+    pools = [d for d in load_docs(repo_root / "examples" / "llama3-70b-tp.yaml")
+             if d["kind"] == "ServingPool"]  # fmt: skip
+    assert {p["spec"]["role"] for p in pools} == {"prefill", "decode"}
+    for doc in pools:
+        pod = _pod(_children(doc["spec"]))
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        assert _shm(pod)["sizeLimit"] == "4Gi"
 
 
 def test_more_ranks_than_gpus_is_refused_by_cel_and_by_the_operator(crd_schemas: Any) -> None:
