@@ -11,6 +11,7 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -415,3 +416,62 @@ def test_dead_decode_instance_fails_in_flight_and_is_routed_around(stack: dict[s
         if victim.poll() is None:
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait(30)
+
+
+@pytest.fixture(scope="module")
+def tp_gateway(stack: dict[str, Any]) -> Iterator[str]:
+    """A second gateway in front of a TP=2 prefill instance (rank 0 here, rank 1 spawned)
+    and the same vLLM decode."""
+    from flowprefill.backend import model_config_of
+    from flowprefill.contracts import EngineConfig
+    from flowprefill.tp.backend import TPBackend
+
+    tmp = stack["tmp"]
+    config = EngineConfig(model_path=stack["model_dir"], tp_size=2, num_threads=1)
+    with ExitStack() as es:
+        backend = es.enter_context(TPBackend(config))
+        engine = PrefillEngine(backend, TTFTPredictor.linear(1e-4), batching="none")
+        sink = directory_sink(stack["kv_dir"], model_config_of(backend))
+        prefill_url = es.enter_context(serve_in_thread(create_app(engine, kv_sink=sink)))
+        gw_config = GatewayConfig(
+            service="e2e-tp",
+            model_name="demo",
+            tokenizer_path=stack["model_dir"],
+            prefill=[Endpoint(pool="p", host="h", port=1, url=prefill_url)],
+            decode=[Endpoint(pool="d", host="h", port=1, url=stack["decode"])],
+        )
+        yield es.enter_context(
+            serve_in_thread(create_gateway_app(build_state(gw_config, tmp / "slo.json")))
+        )
+
+
+def _external_hits(decode_url: str) -> float:
+    text = httpx.get(f"{decode_url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:external_prefix_cache_hits_total")
+    )
+
+
+def test_tp2_prefill_hands_off_kv_that_vllm_continues(
+    stack: dict[str, Any], tp_gateway: str
+) -> None:
+    """openai client → gateway → TP=2 prefill → vLLM: the same tokens as vLLM alone, and
+    decode took the prompt from the hand-off (external cache hits), not by recomputing."""
+    ids = [(29 * i) % 30000 + 7 for i in range(260)]
+    hits_before = _external_hits(stack["decode"])
+    c = openai.OpenAI(base_url=f"{tp_gateway}/v1", api_key="none", max_retries=0, timeout=300)
+    resp = c.completions.create(model="demo", prompt=ids, max_tokens=10, temperature=0)
+    # Decode loaded the whole prompt from the hand-off (before the reference below puts
+    # it in vLLM's own prefix cache): nothing was recomputed.
+    loaded = re.findall(
+        rf"loaded (\d+) prompt tokens \[0, \d+\) of hand-off {re.escape(resp.id)}\b",
+        (stack["tmp"] / "vllm.log").read_text(),
+    )
+    assert loaded and int(loaded[0]) == len(ids)
+    deadline = time.monotonic() + 30  # vLLM publishes its counters every few seconds
+    while _external_hits(stack["decode"]) - hits_before < len(ids):
+        assert time.monotonic() < deadline, "vLLM reported no external cache hits"
+        time.sleep(0.5)
+    assert resp.choices[0].text == vllm_alone(stack, ids, 10)
