@@ -185,7 +185,8 @@ def test_tp_pool_with_too_few_gpus_is_reported_and_makes_no_pods(cluster: Cluste
     assert cluster.kube.get("ConfigMap", ns, "tp-engine") is None
     # Four GPUs per pod: the pool is served by one pod with four ranks.
     cluster.kube.patch("ServingPool", ns, "tp", {"spec": {"resources": {"gpusPerPod": 4}}})
-    dep = wait_for(lambda: cluster.kube.get("Deployment", ns, "tp"), what="Deployment")
+    wait_for(lambda: cluster.kube.get("Deployment", ns, "tp") is not None, what="Deployment")
+    dep = cluster.get("Deployment", ns, "tp")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
     engine = json.loads(cluster.get("ConfigMap", ns, "tp-engine")["data"]["engine.json"])
