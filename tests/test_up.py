@@ -18,7 +18,9 @@ from flowprefill.predictor.model import TTFTPredictor
 from tests.helpers import free_port
 
 
-def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("prefill", "tp"), [(2, 1), (1, 2)], ids=["2x-tp1", "1x-tp2"])
+def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path, prefill: int, tp: int) -> None:
+    """``up`` with ``--tp 2`` too: the prefill instance then spawns its second rank."""
     port = free_port()
     profile = tmp_path / "p.json"
     TTFTPredictor.linear(2e-5).save(profile)
@@ -39,7 +41,9 @@ def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
             "--decode",
             "0",
             "--prefill",
-            "2",
+            str(prefill),
+            "--tp",
+            str(tp),
             "--port",
             str(port),
             "--profile",
@@ -70,13 +74,13 @@ def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert r.headers["x-flowprefill-slo-class"] == "text"
         assert {p.name for p in (tmp_path / "run").iterdir()} >= {
             "engine-0.json",
-            "engine-1.json",
             "gateway.json",
             "slo-table.json",
             "logs",
         }
-        engine = EngineConfig.load(tmp_path / "run" / "engine-1.json")
+        engine = EngineConfig.load(tmp_path / "run" / f"engine-{prefill - 1}.json")
         assert (engine.batching, engine.batch_token_budget) == ("member-headroom", 2048)
+        assert engine.tp_size == tp
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
