@@ -22,6 +22,7 @@ from rich.table import Table
 
 from flowprefill.errors import FlowPrefillError, InvalidRequestError
 from flowprefill.sim.config import CostSpec, SweepConfig, WorkloadSpec
+from flowprefill.sim.cost import TP_CHECK_S
 from flowprefill.sim.gateway import ROUTERS
 from flowprefill.sim.systems import DEFAULT_SYSTEMS, PAPER_SYSTEMS, SYSTEMS
 
@@ -66,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dev.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (1,2,4,8)")
     dev.add_argument("--attn-efficiency", type=float, default=0.6, help="attention efficiency")
     dev.add_argument("--pass-overhead-ms", type=float, default=2.0, help="fixed cost per pass")
+    dev.add_argument(
+        "--tp-check-us",
+        type=float,
+        default=TP_CHECK_S * 1e6,
+        help="with --tp > 1: µs each preemption checkpoint adds (the ranks' flag all-reduce)",
+    )
     dev.add_argument("--profile", default=None, help="a `flowprefill profile` JSON to simulate")
     dev.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
     wl = parser.add_argument_group("workload")
@@ -120,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         tp=args.tp,
         attn_efficiency=args.attn_efficiency,
         pass_overhead_s=args.pass_overhead_ms / 1e3,
+        tp_check_s=args.tp_check_us / 1e6,
         profile=args.profile,
         profile_layers=args.profile_layers,
     )

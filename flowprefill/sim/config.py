@@ -13,6 +13,7 @@ from flowprefill.scheduler.round import LIVE_PROGRESS
 from flowprefill.sim.cost import (
     ATTN_EFFICIENCY,
     PASS_OVERHEAD_S,
+    TP_CHECK_S,
     CostModel,
     ProfileCostModel,
     build_cost_model,
@@ -31,6 +32,9 @@ class CostSpec(BaseModel):
     tp: int | None = Field(None, description="Tensor-parallel degree; default per model.")
     attn_efficiency: float = Field(ATTN_EFFICIENCY, description="Attention FLOP efficiency.")
     pass_overhead_s: float = Field(PASS_OVERHEAD_S, description="Fixed cost per pass/chunk.")
+    tp_check_s: float = Field(
+        TP_CHECK_S, description="With TP > 1: what each preemption checkpoint adds (rank sync)."
+    )
     profile: str | None = Field(
         None, description="A `flowprefill profile` JSON: simulate that engine instead of a GPU."
     )
@@ -45,6 +49,7 @@ class CostSpec(BaseModel):
             tp=self.tp,
             attn_efficiency=self.attn_efficiency,
             pass_overhead_s=self.pass_overhead_s,
+            tp_check_s=self.tp_check_s,
         )
 
     def predictor(self, cost: CostModel) -> TTFTPredictor:

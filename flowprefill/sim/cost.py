@@ -14,7 +14,12 @@ Two models:
   makes small chunks slow (paper §3.1). Other models scale each operator by its weight (or
   width) ratio to Llama-3-8B at the same TP degree; other GPUs by the ratio of peak FLOP/s
   (and of HBM bandwidth for the re-read); TP>1 adds a ring all-reduce after o_proj and
-  down_proj.
+  down_proj (the row-parallel layers' own all-reduces, on the critical path), and
+  ``checkpoint_s`` per preemption checkpoint: the ranks agree on the preempt decision with
+  one small all-reduce of the leader's flag at every checkpoint (the paper's synchronised
+  counter, §5.1; flowprefill/executor/tp.py). :mod:`.plan` charges it per checkpoint of
+  the granularity in use (5 per layer at operator level, 1 at layer level, none between
+  chunks).
 * :class:`ProfileCostModel` — the engine's own ``flowprefill profile`` fit
   (:class:`~flowprefill.predictor.model.TTFTPredictor`), for simulating this CPU engine.
 """
@@ -55,6 +60,11 @@ not in the operator profile. An assumption of the order vLLM shows; ``--pass-ove
 ALLREDUCE_LATENCY_S = 10e-6
 """Fixed latency of one NCCL all-reduce on NVLink (order of the NCCL-tests small-message
 latency); only used when TP > 1."""
+TP_CHECK_S = ALLREDUCE_LATENCY_S
+"""With TP > 1, what one preemption checkpoint adds to a task: the ranks' agreement on the
+leader's flag is one small all-reduce (flowprefill/executor/tp.py), charged here as one
+small-message collective on the critical path. An assumption (no GPU measurement of the
+engine's TP checkpoint yet); ``--tp-check-us`` (0 = the paper's "negligible")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +91,8 @@ Segment = tuple[int, int]
 class CostModel(Protocol):
     name: str
     max_context_tokens: int
+    checkpoint_s: float
+    """Time each preemption checkpoint adds to a task (TP ranks agreeing); 0 on one device."""
 
     def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
         """Cost of one pass over these request segments (batched, one chunk each)."""
@@ -120,6 +132,7 @@ class GPUCostModel:
         tp: int | None = None,
         attn_efficiency: float = ATTN_EFFICIENCY,
         pass_overhead_s: float = PASS_OVERHEAD_S,
+        tp_check_s: float = TP_CHECK_S,
     ) -> None:
         tables = load_tables()
         tp = model.default_tp if tp is None else tp
@@ -129,7 +142,10 @@ class GPUCostModel:
             raise InvalidRequestError(f"--attn-efficiency must be in (0, 1], got {attn_efficiency}")
         if pass_overhead_s < 0:
             raise InvalidRequestError(f"--pass-overhead-ms must be ≥ 0, got {pass_overhead_s}")
+        if tp_check_s < 0:
+            raise InvalidRequestError(f"--tp-check-us must be ≥ 0, got {tp_check_s * 1e6:g}")
         self.model, self.gpu, self.tp = model, gpu, tp
+        self.checkpoint_s = tp_check_s if tp > 1 else 0.0
         self.name = f"{model.name}/{gpu.name}/tp{tp}"
         self.max_context_tokens = model.max_context_tokens
         self.attn_efficiency = attn_efficiency
@@ -171,9 +187,16 @@ class GPUCostModel:
         """Ring all-reduce of the ``num_tokens × hidden`` bf16 activations (TP > 1 only)."""
         if self.tp == 1:
             return 0.0
-        nbytes = num_tokens * self.model.hidden_size * 2
+        return ALLREDUCE_LATENCY_S + num_tokens * self._allreduce_per_token_s
+
+    @functools.cached_property
+    def _allreduce_per_token_s(self) -> float:
+        """Bandwidth term of one all-reduce per token: each rank sends and receives
+        ``2(TP−1)/TP`` of the token's ``hidden`` bf16 activations (ring algorithm)."""
+        if self.tp == 1:
+            return 0.0
         ring = 2 * (self.tp - 1) / self.tp
-        return ALLREDUCE_LATENCY_S + ring * nbytes / self.gpu.nvlink_bytes_per_s
+        return ring * self.model.hidden_size * 2 / self.gpu.nvlink_bytes_per_s
 
     def attention_s(self, segments: Sequence[Segment]) -> float:
         """One layer's attention over all segments: FLOPs + KV re-read of prefixes."""
@@ -193,8 +216,11 @@ class GPUCostModel:
         return PassCost(self.pass_overhead_s + emb, (qkv, attn, o, up, down), self.model.num_layers)
 
     def ideal_cost_s(self, num_tokens: int) -> float:
+        """Cheapest GEMM time per token, the all-reduces' bandwidth (two per layer: no
+        schedule avoids moving the activations) and the request's own attention."""
         attn = self.attention_s([(num_tokens, 0)]) * self.model.num_layers
-        return self._min_gemm_per_token_s * num_tokens + attn
+        comm = 2 * self.model.num_layers * self._allreduce_per_token_s
+        return (self._min_gemm_per_token_s + comm) * num_tokens + attn
 
     @functools.cached_property
     def _min_gemm_per_token_s(self) -> float:
@@ -214,6 +240,9 @@ class ProfileCostModel:
     exactly ``predict_s(n)``. The pass is split evenly into ``num_layers`` × 5
     checkpointed segments (the profile has no per-operator times).
     """
+
+    checkpoint_s = 0.0
+    """The profiled engine runs on one device: a checkpoint is a flag read, in the profile."""
 
     def __init__(self, predictor: TTFTPredictor, *, num_layers: int = 4, max_tokens: int = 0):
         if num_layers < 1:
@@ -248,6 +277,7 @@ def build_cost_model(
     tp: int | None = None,
     attn_efficiency: float = ATTN_EFFICIENCY,
     pass_overhead_s: float = PASS_OVERHEAD_S,
+    tp_check_s: float = TP_CHECK_S,
 ) -> GPUCostModel:
     """By name; unknown model or GPU names raise UnknownNameError listing the known ones."""
     return GPUCostModel(
@@ -256,4 +286,5 @@ def build_cost_model(
         tp=tp,
         attn_efficiency=attn_efficiency,
         pass_overhead_s=pass_overhead_s,
+        tp_check_s=tp_check_s,
     )

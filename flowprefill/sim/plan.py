@@ -18,6 +18,16 @@ Checkpoints, mirroring the engine's executor (flowprefill/executor/checkpoints.p
 
 A preempt signal raised at elapsed ``e`` is honoured at the first checkpoint at or after
 ``e``; the blocking time is the distance.
+
+Tensor parallelism changes where nothing parks, only what a checkpoint costs: every rank
+passes the same checkpoints and they park at the same checkpoint number (the paper's
+synchronised counter, §5.1). The engine learns the decision with one small all-reduce of
+the leader's flag at *every* checkpoint (flowprefill/executor/tp.py), so each checkpoint
+of the granularity in use adds the cost model's ``checkpoint_s`` to the segment it ends:
+5 per layer at operator level, 1 at layer level, none for ``none`` (chunk boundaries are
+pass boundaries, already paid by the per-pass overhead) and the free ``instant`` oracle.
+A signal that arrives during the exchange itself waits for the next checkpoint in the
+engine; here it parks where that exchange ends (a window of ``checkpoint_s`` per checkpoint).
 """
 
 from __future__ import annotations
@@ -71,6 +81,17 @@ def chunk_segments(lengths: Sequence[int], chunk_size: int | None) -> list[list[
     return passes
 
 
+def with_checkpoints(cost: PassCost, granularity: Granularity, check_s: float) -> PassCost:
+    """``cost`` with ``check_s`` added after every checkpoint ``granularity`` places in it."""
+    if check_s <= 0 or granularity in (Granularity.NONE, Granularity.INSTANT):
+        return cost
+    if granularity is Granularity.OPERATOR:
+        op_s = tuple(op + check_s for op in cost.op_s)
+    else:  # LAYER: one check at the end of each layer
+        op_s = (*cost.op_s[:-1], cost.op_s[-1] + check_s)
+    return PassCost(cost.pre_s, op_s, cost.num_layers)
+
+
 @dataclass(frozen=True, slots=True)
 class ExecutionPlan:
     passes: tuple[PassCost, ...]
@@ -87,7 +108,10 @@ class ExecutionPlan:
         granularity: Granularity,
         chunk_size: int | None = None,
     ) -> ExecutionPlan:
-        passes = tuple(cost.pass_cost(seg) for seg in chunk_segments(lengths, chunk_size))
+        passes = tuple(
+            with_checkpoints(cost.pass_cost(seg), granularity, cost.checkpoint_s)
+            for seg in chunk_segments(lengths, chunk_size)
+        )
         starts: list[float] = []
         t = 0.0
         for p in passes:

@@ -175,7 +175,7 @@ def classes_table(result: SweepResult) -> Table:
 
 
 def paper_table(result: SweepResult) -> Table:
-    table = Table(title="Against the paper (Llama3-8B, QwenTrace)")
+    table = Table(title=f"Against the paper's figures (ours: {result.cost_model})")
     table.add_column("figure")
     table.add_column("ours", justify="right")
     table.add_column("paper", justify="right")

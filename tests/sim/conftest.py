@@ -14,7 +14,8 @@ from flowprefill.sim.cost import PassCost, Segment
 class ToyCost:
     """Every token costs ``per_token_s``; a pass pays ``overhead_s`` first; each cached
     prefix token of a chunk costs ``reread_s`` (the KV re-read). The pass's token work is
-    split evenly over ``num_layers`` × 5 segments."""
+    split evenly over ``num_layers`` × 5 segments; each checkpoint costs ``checkpoint_s``
+    (the TP ranks' agreement)."""
 
     name = "toy"
     max_context_tokens = 1 << 20
@@ -26,11 +27,13 @@ class ToyCost:
         overhead_s: float = 0.0,
         reread_s: float = 0.0,
         num_layers: int = 2,
+        checkpoint_s: float = 0.0,
     ) -> None:
         self.per_token_s = per_token_s
         self.overhead_s = overhead_s
         self.reread_s = reread_s
         self.num_layers = num_layers
+        self.checkpoint_s = checkpoint_s
 
     def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
         work = sum(c for c, _ in segments) * self.per_token_s

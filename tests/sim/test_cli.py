@@ -26,6 +26,8 @@ def run(argv: list[str]) -> int:
         (["--systems", "flowprefill,magic"], "unknown system 'magic'"),
         (["--router", "random"], "unknown routing policy"),
         (["--trace", "/nonexistent.jsonl", "--rate", "1"], "no such file"),
+        (["--tp", "4", "--tp-check-us", "-1", "--rate", "1"], "--tp-check-us must be ≥ 0"),
+        (["--tp", "3", "--rate", "1"], "unknown tensor-parallel degree '3'"),
     ],
 )
 def test_bad_input_is_rejected_with_a_message_naming_it(
@@ -66,3 +68,25 @@ def test_other_models_and_gpus_run(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--model", "llama3-70b", "--gpu", "h100", "--num-requests", "60", "--rate", "1"]
     assert run([*argv, "--systems", "flowprefill"]) == 0
     assert "llama3-70b/h100/tp4" in capsys.readouterr().out
+
+
+def test_70b_tp4_uses_table_2s_70b_slos_and_the_tp_cost_model() -> None:
+    """`flowprefill simulate --model llama3-70b --tp 4`: Table 2's 70B row for every class
+    (from the contracts' SLO table, not the 8B default), on four ranks' cost model."""
+    from flowprefill.contracts.slo import SLOTable
+    from flowprefill.sim.sweep import Evaluator
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    argv = ["--model", "llama3-70b", "--tp", "4", "--num-requests", "200"]
+    args = parser.parse_args([*argv, "--tp-check-us", "25"])
+    ev = Evaluator(cli.config_from_args(args))
+    table = {c.name: c.ttft_slo_s for c in SLOTable.paper(model="llama3-70b").classes}
+    assert table != {c.name: c.ttft_slo_s for c in SLOTable.paper().classes}
+    assert ev.workloads[0].slo_table == table
+    requests = ev.workloads[0].requests(rate=1.0, slo_scale=0.5)
+    assert {r.slo_class for r in requests} == set(table)
+    for r in requests:
+        assert r.deadline_s - r.arrival_s == pytest.approx(0.5 * table[r.slo_class])
+    assert ev.cost.name == "llama3-70b/a100/tp4"
+    assert ev.cost.checkpoint_s == pytest.approx(25e-6)

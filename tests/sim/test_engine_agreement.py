@@ -57,6 +57,7 @@ class BlockCost:
 
     name = "blocks"
     max_context_tokens = 1 << 20
+    checkpoint_s = 0.0
 
     def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
         num_blocks, block_s = blocks(sum(new for new, _ in segments))

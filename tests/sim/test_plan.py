@@ -3,7 +3,9 @@ from __future__ import annotations
 import pytest
 
 from flowprefill.errors import InvalidRequestError, UnknownNameError
+from flowprefill.request import Request, Task
 from flowprefill.sim.plan import ExecutionPlan, Granularity, chunk_segments, get_granularity
+from flowprefill.sim.pool import SimulatedPool
 
 from .conftest import ToyCost
 
@@ -62,3 +64,37 @@ def test_unknown_granularity_is_named() -> None:
     assert get_granularity("Operator") is Granularity.OPERATOR
     with pytest.raises(UnknownNameError, match="block"):
         get_granularity("block")
+
+
+def test_tp_rank_agreement_is_paid_at_every_checkpoint_of_the_granularity() -> None:
+    """Pre 0.01 s, 2 layers × 5 segments of 0.1 s; each checkpoint adds 0.01 s."""
+    cost = ToyCost(overhead_s=0.01, checkpoint_s=0.01)
+
+    def tp_plan(g: Granularity, chunk: int | None = None) -> ExecutionPlan:
+        return ExecutionPlan.build(cost, [1000], granularity=g, chunk_size=chunk)
+
+    op = tp_plan(Granularity.OPERATOR)
+    assert op.total_s == pytest.approx(1.01 + 10 * 0.01)
+    assert op.next_checkpoint_s(0.0) == pytest.approx(0.01 + 0.1 + 0.01)
+    assert op.next_checkpoint_s(0.13) == pytest.approx(0.01 + 2 * 0.11)
+    layer = tp_plan(Granularity.LAYER)
+    assert layer.total_s == pytest.approx(1.01 + 2 * 0.01)
+    assert layer.next_checkpoint_s(0.005) == pytest.approx(0.01 + 0.5 + 0.01)
+    # No checkpoints inside a pass: nothing to agree on (chunk boundaries are passes).
+    assert tp_plan(Granularity.NONE).total_s == pytest.approx(1.01)
+    assert tp_plan(Granularity.NONE, chunk=500).total_s == pytest.approx(2 * 0.51)
+    assert tp_plan(Granularity.INSTANT).total_s == pytest.approx(1.01)
+    # Inside chunks every pass's checkpoints pay: 2 passes × 10 checks.
+    chunked = tp_plan(Granularity.OPERATOR, chunk=500)
+    assert chunked.total_s == pytest.approx(2 * (0.01 + 0.5 + 10 * 0.01))
+
+
+def test_tp_checkpoints_reach_the_pool_blocking_and_progress() -> None:
+    """A preempt during a segment parks after that segment *and* its rank agreement."""
+    pool = SimulatedPool(ToyCost(checkpoint_s=0.02), Granularity.OPERATOR)
+    task = Task([Request.create("a", arrival_s=0.0, ttft_slo_s=9.0, num_tokens=1000)])
+    pool.submit(task)
+    pool.advance_to(0.05)  # inside the first segment (0.1 s of work, then 0.02 s of sync)
+    outcome = pool.preempt(task)
+    assert outcome.parked and outcome.blocking_s == pytest.approx(0.12 - 0.05)
+    assert task.progress == pytest.approx(0.12 / (1.0 + 10 * 0.02))
