@@ -47,6 +47,13 @@ one in each worker):
   digest; the CRC-32 over tensor data is *not* recomputed on this hot path (it would
   read every byte twice) — partial files cannot occur (atomic rename), and
   ``read_handoff`` verifies it where a full check is wanted.
+* **Tensor parallelism.** A hand-off holds *all* KV heads of the model, whatever the
+  prefill's TP degree (its rank 0 gathers the ranks' heads and writes one file). A decode
+  of TP degree M loads from that one file on every rank, each keeping the heads vLLM gave
+  it (:func:`~flowprefill.kv.paged.head_range`): M must divide ``num_kv_heads`` (each rank
+  takes ``num_kv_heads / M`` consecutive heads) or be a multiple of it (each head is
+  replicated on ``M / num_kv_heads`` ranks, as vLLM's ``QKVParallelLinear`` does). Any
+  other M is refused when the connector is built (KVMismatchError naming both numbers).
 * **Copy** (``start_load_kv``, worker, before the forward pass). For each attention layer:
   read the token range, keep this tensor-parallel rank's KV heads, go [H,T,D] → [T,H,D] in
   the model dtype, and write it with the attention backend's own ``do_kv_cache_update`` —
@@ -89,7 +96,7 @@ from flowprefill.contracts.kv import HandoffRef, result_params
 from flowprefill.errors import KVHandoffError, KVMismatchError
 from flowprefill.kv.cleanup import DelayedCleanup
 from flowprefill.kv.format import KVHeader, ModelFingerprint, check_prompt
-from flowprefill.kv.paged import head_range, slot_mapping, to_token_major
+from flowprefill.kv.paged import check_tp_degree, head_range, slot_mapping, to_token_major
 from flowprefill.kv.params import num_tokens_to_load
 from flowprefill.kv.transport import default_storage_path, make_transport
 from flowprefill.kv.vllm_idle import cap_idle_spin
@@ -187,6 +194,10 @@ class FlowPrefillConnector(KVConnectorBase_V1):
         if getattr(model_config, "use_mla", False):
             raise KVHandoffError("FlowPrefillConnector does not support MLA models")
         self._expected = ModelFingerprint.from_config(model_config.hf_text_config)
+        # Fail at start-up, not on every request, for a TP degree the heads cannot serve.
+        check_tp_degree(
+            self._expected.num_kv_heads, int(vllm_config.parallel_config.tensor_parallel_size)
+        )
         # Resolved to a torch.dtype by the time connectors are built; the type says str too.
         dtype = model_config.dtype
         self._model_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
@@ -398,15 +409,19 @@ class FlowPrefillConnector(KVConnectorBase_V1):
             header = reader.header
             if max(layers, default=-1) >= header.num_layers:
                 raise KVMismatchError("num_layers", max(layers) + 1, header.num_layers)
-            heads = head_range(
-                header.fingerprint.num_kv_heads,
-                get_tensor_model_parallel_world_size(),
-                get_tensor_model_parallel_rank(),
-            )
+            total = header.fingerprint.num_kv_heads
+            world, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+            heads = head_range(total, world, rank)
             for index, layer in sorted(layers.items()):
                 cache = layer.kv_cache
                 if heads[1] - heads[0] != layer.num_kv_heads:
-                    raise KVMismatchError("KV heads on this rank", layer.num_kv_heads, heads)
+                    raise KVMismatchError(
+                        f"KV heads of tensor-parallel rank {rank} of {world}",
+                        heads[1] - heads[0],
+                        layer.num_kv_heads,
+                        f"the hand-off's {total} heads give this rank heads "
+                        f"[{heads[0]}, {heads[1]}); layer {index} holds {layer.num_kv_heads}",
+                    )
                 if slots is None:
                     slots = slot_mapping(spec.block_ids, self._block_size, spec.start, spec.end)
                     slots = slots.to(cache.device)

@@ -37,23 +37,50 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
 
 
 def head_range(total_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """The KV heads [first, last) that tensor-parallel rank ``tp_rank`` holds.
+    """The KV heads [first, last) that tensor-parallel rank ``tp_rank`` of ``tp_size`` holds.
 
-    vLLM shards KV heads evenly when there are at least as many heads as ranks, and
-    replicates otherwise (rank r then holds head ``r * total // tp_size``), see
-    ``QKVParallelLinear``. Untested beyond tp_size 1 here (2-core CPU box).
+    The hand-off holds every KV head of the model (a TP prefill gathers its ranks' heads
+    into one file); each decode rank keeps the heads vLLM's ``QKVParallelLinear``
+    (vllm/model_executor/layers/linear.py) gave it:
+
+    * ``tp_size`` divides ``total_kv_heads``: rank ``r`` holds the ``total // tp_size``
+      consecutive heads starting at ``r * total // tp_size``;
+    * ``total_kv_heads`` divides ``tp_size`` (more ranks than heads): every head is
+      replicated on ``tp_size // total`` consecutive ranks, rank ``r`` holds head
+      ``r // (tp_size // total)`` (vLLM's ``tp_rank // num_kv_head_replicas``).
+
+    Any other degree is refused with a KVMismatchError naming both numbers (vLLM cannot
+    shard such a model either). tests/kv/test_connector_tp.py checks these ranges against
+    vLLM's own weight sharding for every rank of several degrees.
     """
+    if total_kv_heads < 1:
+        raise KVMismatchError("num_kv_heads", ">= 1", total_kv_heads)
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"bad tensor-parallel rank {tp_rank} of {tp_size}")
     if total_kv_heads >= tp_size:
         if total_kv_heads % tp_size:
-            raise KVMismatchError("num_kv_heads divisible by tp_size", tp_size, total_kv_heads)
+            raise _unsupported_degree(total_kv_heads, tp_size)
         per_rank = total_kv_heads // tp_size
         return tp_rank * per_rank, (tp_rank + 1) * per_rank
     if tp_size % total_kv_heads:
-        raise KVMismatchError("tp_size divisible by num_kv_heads", total_kv_heads, tp_size)
-    head = tp_rank * total_kv_heads // tp_size
+        raise _unsupported_degree(total_kv_heads, tp_size)
+    head = tp_rank // (tp_size // total_kv_heads)
     return head, head + 1
+
+
+def check_tp_degree(total_kv_heads: int, tp_size: int) -> None:
+    """Refuse (KVMismatchError) a decode TP degree the hand-off's heads cannot serve."""
+    head_range(total_kv_heads, tp_size, 0)
+
+
+def _unsupported_degree(total_kv_heads: int, tp_size: int) -> KVMismatchError:
+    return KVMismatchError(
+        "decode tensor-parallel degree",
+        f"a divisor or a multiple of the model's {total_kv_heads} KV heads",
+        tp_size,
+        f"{total_kv_heads} KV heads can neither be split evenly over {tp_size} ranks nor "
+        f"each be replicated on a whole number of them",
+    )
 
 
 def to_token_major(

@@ -60,6 +60,7 @@ def make_connector(store: Path, **extra: Any) -> Any:
         model_config=SimpleNamespace(
             hf_text_config=hf_config(), dtype=torch.float32, use_mla=False
         ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
     )
     # stand-ins: the scheduler side reads only these attributes
     no_cache_config: Any = None

@@ -26,9 +26,11 @@ def test_head_range(total: int, tp: int, rank: int, want: tuple[int, int]) -> No
     assert head_range(total, tp, rank) == want
 
 
-def test_head_range_rejects_uneven_split() -> None:
-    with pytest.raises(KVMismatchError):
-        head_range(6, 4, 0)
+@pytest.mark.parametrize(("total", "tp"), [(6, 4), (4, 3), (4, 6), (2, 3)])
+def test_head_range_refuses_degrees_that_neither_split_nor_replicate(total: int, tp: int) -> None:
+    with pytest.raises(KVMismatchError, match=f"{total} KV heads .* over {tp} ranks") as err:
+        head_range(total, tp, 0)
+    assert err.value.found == tp
 
 
 def test_to_token_major() -> None:
