@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp-check-us",
         type=float,
         default=TP_CHECK_S * 1e6,
-        help="with --tp > 1: µs each preemption checkpoint adds (the ranks' flag all-reduce)",
+        help="with --tp > 1: µs each preemption checkpoint adds (the ranks' agreement-table "
+        "check; measured 1.6 on CPU, benchmarks/tp_overhead.py)",
     )
     dev.add_argument("--profile", default=None, help="a `flowprefill profile` JSON to simulate")
     dev.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")

@@ -15,9 +15,9 @@ Two models:
   width) ratio to Llama-3-8B at the same TP degree; other GPUs by the ratio of peak FLOP/s
   (and of HBM bandwidth for the re-read); TP>1 adds a ring all-reduce after o_proj and
   down_proj (the row-parallel layers' own all-reduces, on the critical path), and
-  ``checkpoint_s`` per preemption checkpoint: the ranks agree on the preempt decision with
-  one small all-reduce of the leader's flag at every checkpoint (the paper's synchronised
-  counter, §5.1; flowprefill/executor/tp.py). :mod:`.plan` charges it per checkpoint of
+  ``checkpoint_s`` per preemption checkpoint: what each rank's check of the shared
+  agreement table costs (the paper's synchronised counter, §5.1, done without a
+  collective: flowprefill/tp/agreement.py). :mod:`.plan` charges it per checkpoint of
   the granularity in use (5 per layer at operator level, 1 at layer level, none between
   chunks).
 * :class:`ProfileCostModel` — the engine's own ``flowprefill profile`` fit
@@ -60,11 +60,13 @@ not in the operator profile. An assumption of the order vLLM shows; ``--pass-ove
 ALLREDUCE_LATENCY_S = 10e-6
 """Fixed latency of one NCCL all-reduce on NVLink (order of the NCCL-tests small-message
 latency); only used when TP > 1."""
-TP_CHECK_S = ALLREDUCE_LATENCY_S
-"""With TP > 1, what one preemption checkpoint adds to a task: the ranks' agreement on the
-leader's flag is one small all-reduce (flowprefill/executor/tp.py), charged here as one
-small-message collective on the critical path. An assumption (no GPU measurement of the
-engine's TP checkpoint yet); ``--tp-check-us`` (0 = the paper's "negligible")."""
+TP_CHECK_S = 2e-6
+"""With TP > 1, what one preemption checkpoint adds to a task: each rank records its count
+and reads the target in a shared-memory table under one lock (flowprefill/tp/agreement.py;
+no collective). Measured 1.6 µs per checkpoint per rank on this CPU
+(``benchmarks/tp_overhead.py``, against 246 µs for a gloo all-reduce of a flag); a host-side
+lock costs the same order next to a GPU, not measured there. ``--tp-check-us`` (0 = the
+paper's "negligible"; ~10-50 for an all-reduce of a flag at every checkpoint)."""
 
 
 @dataclass(frozen=True, slots=True)

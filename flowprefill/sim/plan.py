@@ -21,13 +21,15 @@ A preempt signal raised at elapsed ``e`` is honoured at the first checkpoint at 
 
 Tensor parallelism changes where nothing parks, only what a checkpoint costs: every rank
 passes the same checkpoints and they park at the same checkpoint number (the paper's
-synchronised counter, §5.1). The engine learns the decision with one small all-reduce of
-the leader's flag at *every* checkpoint (flowprefill/executor/tp.py), so each checkpoint
-of the granularity in use adds the cost model's ``checkpoint_s`` to the segment it ends:
+synchronised counter, §5.1). The engine agrees on that number through a shared-memory
+table each rank checks at *every* checkpoint (flowprefill/tp/agreement.py), so each
+checkpoint of the granularity in use adds the cost model's ``checkpoint_s`` to the segment
+it ends:
 5 per layer at operator level, 1 at layer level, none for ``none`` (chunk boundaries are
 pass boundaries, already paid by the per-pass overhead) and the free ``instant`` oracle.
-A signal that arrives during the exchange itself waits for the next checkpoint in the
-engine; here it parks where that exchange ends (a window of ``checkpoint_s`` per checkpoint).
+Not modelled: the engine's target can lie past the checkpoint where the leader saw the
+signal when a follower already ran ahead (at most to the next collective; usually it is
+the same checkpoint), and the ACK waits for the slowest rank to park.
 """
 
 from __future__ import annotations

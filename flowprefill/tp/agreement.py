@@ -6,8 +6,8 @@ happened to see the preempt signal, a rank that saw it later would run on into a
 that a parked rank never joins: a deadlock. So all ranks must park at the *same* checkpoint
 number (the paper's synchronised counter).
 
-The obvious protocol, an all-reduce of the leader's flag at every checkpoint
-(:mod:`flowprefill.executor.tp`), costs one collective at each of the ~5 checkpoints per
+The obvious protocol, an all-reduce of the leader's flag at every checkpoint (an earlier
+version of this engine), costs one collective at each of the ~5 checkpoints per
 layer even though a preemption is rare. Here the ranks of one instance (processes on one
 machine) share a small table in shared memory instead, guarded by one cross-process lock:
 
