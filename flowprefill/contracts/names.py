@@ -118,11 +118,23 @@ class Role(Name):
     GATEWAY = "gateway"
 
 
+class RankCommand(Name):
+    """What a tensor-parallel leader sends its follower ranks (flowprefill/tp/ranks.py):
+    ``(command, *args)`` tuples over one pipe per follower."""
+
+    SUBMIT = "submit"  # (key, slot, prompts)
+    RESUME = "resume"  # (key,)
+    CANCEL = "cancel"  # (key,)
+    REPORT = "report"  # () → {key: checkpoints where the task parked}
+    STOP = "stop"  # ()
+
+
 _WHAT: dict[type[Name], str] = {
     Policy: "scheduling policy",
     Batching: "batching policy",
     Granularity: "preemption granularity",
     Router: "routing policy",
+    RankCommand: "tensor-parallel rank command",
     Admission: "admission policy",
     KVTransport: "KV transport",
     Kernels: "executor kernels",

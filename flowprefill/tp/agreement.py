@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from flowprefill.contracts.names import RankCommand
 from flowprefill.errors import RankFailedError
 from flowprefill.executor.preemption import TaskControl
 
@@ -125,13 +126,13 @@ class SharedTable:
 
 class LeaderGate:
     """Rank 0's gate for one task: proposes targets, parks for the scheduler, releases
-    followers. ``send(command)`` delivers ``"resume"`` / ``"cancel"`` to every follower."""
+    followers. ``send(command)`` delivers RESUME / CANCEL to every follower."""
 
     def __init__(
         self,
         table: SharedTable,
         slot: int,
-        send: Callable[[str], None],
+        send: Callable[[RankCommand], None],
         alive: Callable[[], None] = lambda: None,
     ) -> None:
         self.table, self.slot, self.send, self.alive = table, slot, send, alive
@@ -145,12 +146,12 @@ class LeaderGate:
             return
         self._wait_followers(k)
         self.parked_at.append(k)
-        command = "resume"
+        command = RankCommand.RESUME
         try:
             if control.preempt_requested or control.cancelled:
                 control.park()  # raises TaskCancelledError on cancel
         except BaseException:
-            command = "cancel"
+            command = RankCommand.CANCEL
             raise
         finally:
             # Cleared before the followers move on: a later signal gets a new target.

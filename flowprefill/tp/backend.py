@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from flowprefill.contracts import EngineConfig
+from flowprefill.contracts.names import RankCommand
 from flowprefill.errors import RankFailedError
 from flowprefill.executor.preemption import TaskControl
 from flowprefill.executor.runner import PrefillOutput, PromptLike
@@ -73,7 +74,7 @@ class TPBackend:
         )
         try:
             self.group.table.reset(slot)
-            self.group.send("submit", key, slot, tokens)
+            self.group.send(RankCommand.SUBMIT, key, slot, tokens)
             control.gate = gate
             return self.executor.run(tokens, control)
         finally:

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from flowprefill.contracts import EngineConfig
+from flowprefill.contracts.names import RankCommand
 from flowprefill.errors import RankFailedError, TaskCancelledError
 from flowprefill.executor.preemption import TaskControl
 from flowprefill.executor.runner import PreemptibleExecutor
@@ -164,17 +165,17 @@ class _Follower:
                 command, *args = conn.recv()
             except (EOFError, OSError):
                 _die(f"rank {self.spec.rank}: the leader rank is gone")
-            if command == "stop":
+            if command == RankCommand.STOP:
                 return
-            if command == "report":
+            if command == RankCommand.REPORT:
                 conn.send({key: list(g.parked_at) for key, g in self.gates.items()})
                 continue
             self._settle()
-            if command == "submit":
+            if command == RankCommand.SUBMIT:
                 self._submit(*args)
-            elif command == "resume":
+            elif command == RankCommand.RESUME:
                 self.controls[args[0]].resume()
-            elif command == "cancel":
+            elif command == RankCommand.CANCEL:
                 self.controls[args[0]].cancel()
             else:
                 _die(f"rank {self.spec.rank}: unknown command {command!r}")
@@ -344,7 +345,7 @@ class RankGroup:
         """Per follower: checkpoint numbers at which each task parked."""
         with self._send_lock:
             for conn in self._conns:
-                conn.send(("report",))
+                conn.send((RankCommand.REPORT,))
             return [conn.recv() for conn in self._conns]
 
     def check_alive(self) -> None:
@@ -402,7 +403,7 @@ class RankGroup:
             try:
                 with self._send_lock:
                     for conn in self._conns:
-                        conn.send(("stop",))
+                        conn.send((RankCommand.STOP,))
             except OSError:
                 pass
         deadline = time.monotonic() + timeout_s
