@@ -14,7 +14,7 @@ import httpx
 
 from flowprefill.models import named_model_dir
 from flowprefill.predictor.model import TTFTPredictor
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_ready
 
 
 def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
@@ -43,16 +43,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_ready(url, proc)
 
         def call(i: int) -> int:
             body = {

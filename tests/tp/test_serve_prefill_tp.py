@@ -15,7 +15,7 @@ import httpx
 
 from flowprefill.models import named_model_dir
 from flowprefill.predictor.model import TTFTPredictor
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_ready
 
 
 def _children(pid: int) -> list[int]:
@@ -63,16 +63,7 @@ def test_tp2_server_answers_then_exits_when_a_rank_is_killed(tmp_path: Path) -> 
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_ready(url, proc)
         ok = httpx.post(
             f"{url}/v1/prefill",
             json={"request_id": "a", "prompt_token_ids": list(range(1, 200)), "ttft_slo_s": 5.0},
