@@ -11,5 +11,6 @@ A request's path, one module per stage (each a plain class or function over
 
 Beside them: job.py (the request and its deadline), failover.py (the one retry rule),
 routing.py (instance pools and policies), upstream.py / transport.py (the upstream
-clients), errors.py (failures -> status and metric reason), metrics.py, state.py, cli.py.
+clients), errors.py (failures -> status and metric reason), tokenize_api.py (vLLM's
+/tokenize and /detokenize), metrics.py, state.py, cli.py.
 """

@@ -1,8 +1,9 @@
 """Stage 1 of the pipeline: admit an OpenAI request as a :class:`~flowprefill.gateway.job.Job`.
 
 Checks the model name (404), classifies into an SLO class
-(:mod:`flowprefill.gateway.classify`), tokenizes the prompt or chat, and refuses a prompt
-plus output budget over the context length (400 naming ``max_tokens`` or ``prompt``).
+(:mod:`flowprefill.gateway.classify`), tokenizes the prompt or chat (a prompt of token ids
+must stay within the vocabulary), and refuses a prompt plus output budget over the
+context length (400 naming ``max_tokens`` or ``prompt``).
 Pure but for the tokenizer: no HTTP, no upstream.
 """
 
@@ -19,6 +20,19 @@ from flowprefill.gateway.openai_models import ChatCompletionRequest, CompletionR
 from flowprefill.gateway.tokenizer import Tokenizer
 
 
+def check_model(model: str | None, model_name: str, *, required: bool = True) -> None:
+    """404 unless ``model`` is the served name (``required=False``: or not given, as
+    vLLM's ``/tokenize`` allows)."""
+    if model == model_name or (not required and not model):
+        return
+    raise ClientError(
+        404,
+        f"model {model!r} does not exist; this gateway serves {model_name!r}",
+        param="model",
+        type_="not_found_error",
+    )
+
+
 def admit(
     body: CompletionRequest | ChatCompletionRequest,
     *,
@@ -32,13 +46,7 @@ def admit(
     """``headers`` must be case-insensitive (Starlette's are) or lower-cased. Raises
     :class:`~flowprefill.gateway.errors.ClientError`, or
     :class:`~flowprefill.errors.InvalidRequestError` when no class fits."""
-    if body.model != model_name:
-        raise ClientError(
-            404,
-            f"model {body.model!r} does not exist; this gateway serves {model_name!r}",
-            param="model",
-            type_="not_found_error",
-        )
+    check_model(body.model, model_name)
     classification = classify(
         table, headers=headers, body_class=body.slo_class, model=body.model, path=path
     )
@@ -50,6 +58,7 @@ def admit(
         token_ids = tokenizer.encode_prompt(body.prompt)
     else:
         token_ids = list(body.prompt)
+        tokenizer.check_token_ids(token_ids, "prompt")
     limit = tokenizer.max_model_len
     if len(token_ids) + body.output_budget > limit:
         raise ClientError(

@@ -14,8 +14,9 @@ ends the stream with an error event. A client that disconnects while prefill run
 its prefill cancelled (the upstream connection closes, and the prefill server cancels the
 request); one gone mid-stream closes its decode stream. Every answer carries the class
 used (``x-flowprefill-slo-class``), and a fallback note when the requested class was
-unknown. Also ``GET /v1/models``, ``/health``, ``/ready`` (503 with no healthy prefill
-instance) and ``/metrics``; the SLO table is re-read when its file changes.
+unknown. Also ``GET /v1/models``, vLLM's ``POST /tokenize`` and ``/detokenize``
+(:mod:`flowprefill.gateway.tokenize_api`), ``/health``, ``/ready`` (503 with no healthy
+prefill instance) and ``/metrics``; the SLO table is re-read when its file changes.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from flowprefill.gateway import openai_wire as wire
+from flowprefill.gateway import tokenize_api
 from flowprefill.gateway.admit import admit
 from flowprefill.gateway.classify import Classification
 from flowprefill.gateway.decode import DecodeStage
@@ -132,6 +134,18 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await serve(request, body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+        return tokenize_api.tokenize(
+            tokenize_api.parse_tokenize(body), state.tokenizer, state.model_name
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+        return tokenize_api.detokenize(
+            tokenize_api.parse_detokenize(body), state.tokenizer, state.model_name
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -53,12 +53,14 @@ def build_state(
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if hf_tok.eos_token_id is not None:
         eos_ids.add(int(hf_tok.eos_token_id))
+    # Ids the model embeds or the tokenizer knows: the larger, as vLLM checks prompts.
+    vocab_size = max(len(hf_tok), int(getattr(model_config, "vocab_size", 0) or 0))
     predict = TTFTPredictor.load(config.predictor_path).predict_s if config.predictor_path else None
     client = make_upstream_http(upstream_http, upstream_timeout_s, connect_timeout_s=5.0)
     decode_urls = [e.url for e in config.decode]
     return GatewayState(
         model_name=config.model_name,
-        tokenizer=Tokenizer(hf_tok, max_len, eos_ids),
+        tokenizer=Tokenizer(hf_tok, max_len, eos_ids, vocab_size=vocab_size),
         slo_file=SLOTableFile(slo_table),
         prefill_pool=InstancePool(
             "prefill",

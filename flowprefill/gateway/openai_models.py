@@ -1,4 +1,5 @@
-"""The parts of the OpenAI completions / chat completions request bodies the gateway uses.
+"""The parts of the OpenAI completions / chat completions request bodies the gateway uses,
+and vLLM's ``/tokenize`` / ``/detokenize`` bodies.
 
 Unknown fields are accepted and ignored (clients send many), but the fields we use are
 validated with messages that name them.
@@ -78,3 +79,53 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+# vLLM's /tokenize and /detokenize (vllm/entrypoints/serve/tokenize/protocol.py, 0.32):
+# the same fields and defaults; what a text-only gateway cannot honour is refused by name.
+
+
+class _ModelOptional(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="Checked when given (vLLM: optional).")
+
+
+class _TokenizeFields(_ModelOptional):
+    return_token_strs: bool | None = Field(
+        False, description="Also return each id's vocabulary entry."
+    )
+
+
+class TokenizeCompletionRequest(_TokenizeFields):
+    prompt: str = Field(description="Text to tokenize as /v1/completions would.")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's BOS etc.")
+
+
+class TokenizeChatRequest(_TokenizeFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = Field(True, description="End with the assistant's header.")
+    continue_final_message: bool = Field(
+        False, description="Leave the last message open (exclusive with the above)."
+    )
+    add_special_tokens: bool = Field(
+        False, description="Add the tokenizer's special tokens on top of the template's."
+    )
+    chat_template: str | None = Field(None, description="Refused: the model's template only.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the template."
+    )
+    tools: list[dict[str, Any]] | None = Field(None, description="Tools the template may list.")
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> TokenizeChatRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                "True (add_generation_prompt defaults to true)."
+            )
+        return self
+
+
+class DetokenizeRequest(_ModelOptional):
+    tokens: list[int] = Field(description="Token ids, each within the vocabulary.")

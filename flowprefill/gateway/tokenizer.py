@@ -1,32 +1,121 @@
 """Tokenization in the gateway: prompts and chat messages to token ids (prefill and decode
-get ids, so both see exactly the same prompt), and a first token id back to text."""
+get ids, so both see exactly the same prompt), a first token id back to text, and what
+``/tokenize`` and ``/detokenize`` answer.
+
+A chat is rendered with the model's chat template to text, then that text is encoded
+without the tokenizer's own special tokens (the template writes them): what
+transformers' ``apply_chat_template(tokenize=True)`` and vLLM's renderer both do.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from jinja2 import TemplateError
+
+from flowprefill.gateway.errors import ClientError
+
+# apply_chat_template's own parameters: a request's chat_template_kwargs may not set them
+# (vLLM lets the request's flags win in the same way).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class Tokenizer:
-    """The few tokenizer operations the gateway needs (a transformers tokenizer fits)."""
+    """The few tokenizer operations the gateway needs (a transformers tokenizer fits).
 
-    def __init__(self, hf_tokenizer: Any, max_model_len: int, eos_token_ids: set[int]) -> None:
+    ``vocab_size``: ids ``0 .. vocab_size - 1`` are accepted in prompts; by default the
+    tokenizer's length (the gateway passes the larger of that and the model's vocabulary,
+    as vLLM checks token ids)."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        vocab_size: int | None = None,
+    ) -> None:
         self.tok = hf_tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size if vocab_size is not None else len(hf_tokenizer)
         self._backend = _plain_backend(hf_tokenizer)
 
-    def encode_prompt(self, prompt: str) -> list[int]:
+    def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self._backend is not None:  # the same ids, without the wrapper's ~3x overhead
-            return list(self._backend.encode(prompt, add_special_tokens=True).ids)
-        return list(self.tok(prompt, add_special_tokens=True)["input_ids"])
+            return list(self._backend.encode(prompt, add_special_tokens=add_special_tokens).ids)
+        return list(self.tok(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return [int(t) for t in ids]
+    def encode_chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The chat rendered with the model's template, then encoded; ``add_special_tokens``
+        adds the tokenizer's special tokens (e.g. BOS) on top of what the template writes.
+        Raises :class:`ClientError` (400, ``messages``) when the template refuses them."""
+        extra = {
+            k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS
+        }
+        try:
+            text = self.tok.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **extra,
+            )
+        except (TemplateError, ValueError, TypeError) as e:  # the template's raise_exception
+            raise ClientError(
+                400, f"messages: the model's chat template refused them: {e}", param="messages"
+            ) from None
+        return self.encode_prompt(str(text), add_special_tokens=add_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
         return str(self.tok.decode([token_id], skip_special_tokens=True))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens included (vLLM's ``/detokenize``)."""
+        return str(self.tok.decode(list(token_ids)))
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (e.g. ``Ġworld``), as vLLM's ``return_token_strs``."""
+        return [str(t) for t in self.tok.convert_ids_to_tokens(list(token_ids))]
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+        """Raises :class:`ClientError` (400 naming ``param``) for an id outside the
+        vocabulary (a prefill would index past its embedding table)."""
+        for i, t in enumerate(token_ids):
+            if not 0 <= t < self.vocab_size:
+                raise ClientError(
+                    400,
+                    f"{param}[{i}]: token id {t} is out of vocabulary "
+                    f"(ids are 0 to {self.vocab_size - 1})",
+                    param=param,
+                )
 
 
 def _plain_backend(hf_tokenizer: Any) -> Any:
