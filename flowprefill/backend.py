@@ -68,6 +68,7 @@ def build_executor(
         chunk_size=config.chunk_size,
         device=config.device,
         kernels=config.resolved_kernels(),
+        max_blocking_ms=config.resolved_max_blocking_ms(),
     )
 
 

@@ -9,8 +9,16 @@ starts.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    ValidationError,
+    field_validator,
+)
 
 from flowprefill.contracts.deployment import KERNELS_ENV, default_kv_dir, env_or
 from flowprefill.contracts.names import (
@@ -37,10 +45,18 @@ by it) is checked when the engine loads the model (docs/executor.md)."""
 
 
 DEFAULT_MAX_BLOCKING_MS = 4.0
-"""Default bound on a stretch between two preemption checkpoints: an operator predicted to
-run longer is split at run time (attention in blocks of query rows, linears in tiles of
-token rows) so an urgent arrival waits at most about this long (docs/executor.md, "Bounded
-blocking"). The paper's operator-level blocking is mean 2.6 ms, max < 4.5 ms on A100."""
+"""Default bound on a stretch between two preemption checkpoints on a GPU: an operator
+predicted to run longer is split at run time (attention in blocks of query rows, linears in
+tiles of token rows) so an urgent arrival waits at most about this long (docs/executor.md,
+"Bounded blocking"). The paper's operator-level blocking is mean 2.6 ms, max < 4.5 ms on
+A100; the simulator meets max <= 4.5 ms with this bound (docs/simulator.md)."""
+
+DEFAULT_MAX_BLOCKING_MS_CPU = 25.0
+"""The CPU default: a CPU runs the same operator ~100x slower than a GPU, and pieces short
+enough for 4 ms would be a few rows each (slow kernels); at 25 ms the 8K-token prefill of
+demo-llama loses < 2 % throughput (benchmarks/bounded_blocking.py, docs/executor.md)."""
+
+OFF = "off"
 
 
 class KVHandoffSettings(BaseModel):
@@ -113,11 +129,12 @@ class EngineConfig(BaseModel):
         description=f"Tensor-parallel degree: ranks (processes) of this instance, 1 to "
         f"{MAX_TP_SIZE}; the model's attention and KV heads must divide by it.",
     )
-    max_blocking_ms: float | None = Field(
-        DEFAULT_MAX_BLOCKING_MS,
-        gt=0,
+    max_blocking_ms: PositiveFloat | Literal["off"] | None = Field(
+        None,
         description="Split operators predicted to run longer than this many milliseconds "
-        "between two checkpoints (None: never split; operators run whole).",
+        f"between two preemption checkpoints; null: the device's default "
+        f"({DEFAULT_MAX_BLOCKING_MS:g} on cuda, {DEFAULT_MAX_BLOCKING_MS_CPU:g} on cpu); "
+        '"off": never split. Operator granularity only.',
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: torch's default)."
@@ -135,6 +152,15 @@ class EngineConfig(BaseModel):
                 "on one machine (docs/executor.md, tensor parallelism)"
             )
         return value
+
+    def resolved_max_blocking_ms(self) -> float | None:
+        """The bound the executor splits by, or None for no splitting."""
+        if self.max_blocking_ms == OFF or self.granularity is not Granularity.OPERATOR:
+            return None
+        if self.max_blocking_ms is None:
+            cpu = self.device.split(":")[0] == "cpu"
+            return DEFAULT_MAX_BLOCKING_MS_CPU if cpu else DEFAULT_MAX_BLOCKING_MS
+        return float(self.max_blocking_ms)
 
     def resolved_kernels(self) -> Kernels:
         """``kernels``, else ``$FLOWPREFILL_KERNELS``, else fast (read here, once)."""

@@ -16,6 +16,7 @@ Typical use by the execution pool, one thread per task::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,19 @@ from flowprefill.executor.kernels import (
 )
 from flowprefill.executor.packing import PackedBatch, chunk_segments, chunk_spans, pack
 from flowprefill.executor.preemption import TaskControl, activate, current_control
+from flowprefill.executor.splitting import (
+    Event,
+    SplitHandle,
+    SplitPolicy,
+    SplitRates,
+    TraceRecorder,
+    calibrate,
+    count_checkpoints,
+    hooked,
+    install_split_operators,
+    record_trace,
+    splitting,
+)
 
 PromptLike = Sequence[int] | torch.Tensor
 KVGather = Callable[
@@ -89,6 +103,8 @@ class PreemptibleExecutor:
         backend: DeviceBackend | None = None,
         kernels: str | Kernels | None = None,
         kv_gather: KVGather | None = None,
+        max_blocking_ms: float | None = None,
+        split_rates: SplitRates | None = None,
     ) -> None:
         """``sync`` (``every_check`` | ``on_preempt``) only matters on CUDA; see
         :mod:`flowprefill.executor.device` for the trade-off. ``backend`` overrides the
@@ -104,7 +120,13 @@ class PreemptibleExecutor:
 
         ``kv_gather`` (tensor parallelism) maps the batch's per-layer ``(key, value)``,
         each ``[1, kv_heads_here, tokens, head_dim]``, to the ones the outputs carry: rank 0
-        gathers every rank's heads (:func:`flowprefill.tp.ranks.gather_kv_heads`)."""
+        gathers every rank's heads (:func:`flowprefill.tp.ranks.gather_kv_heads`).
+
+        ``max_blocking_ms`` (operator granularity only; None: never split): operators
+        predicted to run longer between two checkpoints are split at run time
+        (:mod:`flowprefill.executor.splitting`); the prediction's rates are ``split_rates``,
+        measured here when None (:meth:`set_split_rates` replaces them, e.g. with rank 0's
+        under tensor parallelism)."""
         granularity = check_granularity(granularity)
         self.kernels = resolve_kernels(kernels)
         self.sync_mode: SyncMode = check_sync_mode(sync)
@@ -124,7 +146,10 @@ class PreemptibleExecutor:
         self._original_attention = model.config._attn_implementation
         model.set_attn_implementation(register_packed_attention())
         try:
-            self._handle = install_checkpoints(model, granularity, on_boundary=self._on_boundary)
+            # Hooks also start a new stretch for operator splitting (a no-op without it).
+            self._handle = install_checkpoints(
+                model, granularity, on_boundary=hooked(self._on_boundary)
+            )
         except BaseException:
             model.set_attn_implementation(self._original_attention)
             raise
@@ -143,6 +168,44 @@ class PreemptibleExecutor:
         self.vocab_size = int(config.vocab_size)
         self.max_prompt_tokens = int(config.max_position_embeddings)
         self.num_layers = int(config.num_hidden_layers)
+        self._split = SplitHandle()
+        self._split_policy: SplitPolicy | None = None
+        self._trace: list[Event] = []
+        self._recorder: TraceRecorder | None = None
+        if max_blocking_ms is not None and granularity is Granularity.OPERATOR:
+            try:
+                self._install_splitting(model, max_blocking_ms, split_rates)
+            except BaseException:
+                self.close()
+                raise
+
+    def _install_splitting(
+        self, model: PreTrainedModel, max_blocking_ms: float, rates: SplitRates | None
+    ) -> None:
+        if not max_blocking_ms > 0:
+            raise ValueError(f"max_blocking_ms must be positive, got {max_blocking_ms}")
+        config = model.config
+        self._split = install_split_operators(
+            find_decoder_layers(model)[1],
+            top_k=int(getattr(config, "num_experts_per_tok", 1) or 1),
+        )
+        if rates is None:
+            heads, head_dim = _attention_shape(model)
+            rates = calibrate(
+                self._split,
+                heads,
+                head_dim,
+                self.device,
+                next(model.parameters()).dtype,
+                lambda: self.backend.synchronize(None),
+            )
+        # The order of operators and hooks in one forward, for expected_checkpoints.
+        self._recorder = TraceRecorder()
+        try:
+            self.prefill([[0] * 4])
+        finally:
+            self._trace, self._recorder = self._recorder.events, None
+        self._split_policy = SplitPolicy(max_blocking_ms / 1000.0, rates)
 
     # ------------------------------------------------------------------ facts
 
@@ -155,11 +218,29 @@ class PreemptibleExecutor:
         """Labels of the installed checkpoints in firing order (one forward)."""
         return describe(self._handle.placed)
 
+    @property
+    def split_policy(self) -> SplitPolicy | None:
+        """The bound and rates operators are split by; None when nothing is split."""
+        return self._split_policy
+
+    def set_split_rates(self, rates: SplitRates) -> None:
+        """Predict with ``rates`` from now on (tensor parallelism: rank 0's, on every rank,
+        so all ranks split alike). Call before any task runs."""
+        if self._split_policy is None:
+            raise RuntimeError("this executor does not split operators (max_blocking_ms unset)")
+        self._split_policy = SplitPolicy(self._split_policy.max_blocking_s, rates)
+
     def expected_checkpoints(self, prompt_lengths: Sequence[int]) -> int:
-        """Checkpoints one prefill of these prompts passes: hooks per chunk plus one
-        between consecutive chunks."""
-        num_chunks = len(chunk_spans(sum(prompt_lengths), self.chunk_size))
-        return num_chunks * self.num_checkpoints_per_forward + (num_chunks - 1)
+        """Checkpoints one prefill of these prompts passes: hooks per chunk, those split
+        operators add, and one between consecutive chunks."""
+        spans = chunk_spans(sum(prompt_lengths), self.chunk_size)
+        total = len(spans) * self.num_checkpoints_per_forward + (len(spans) - 1)
+        if self._split_policy is not None:
+            starts = [sum(prompt_lengths[:i]) for i in range(len(prompt_lengths))]
+            for start, end in spans:
+                segments = chunk_segments(starts, prompt_lengths, start, end)
+                total += count_checkpoints(self._split_policy, self._trace, end - start, segments)
+        return total
 
     # ------------------------------------------------------------- validation
 
@@ -261,7 +342,11 @@ class PreemptibleExecutor:
                 [last_indices[r] - start for r in finishing], dtype=torch.long, device=self.device
             )
             segments = chunk_segments(batch.starts, batch.lengths, start, end)
-            with packed_segments(segments), fast_kernels(self.kernels is Kernels.FAST):
+            with (
+                packed_segments(segments),
+                fast_kernels(self.kernels is Kernels.FAST),
+                self._splitting(),
+            ):
                 out = self.model(
                     input_ids=batch.input_ids[:, start:end],
                     position_ids=batch.position_ids[:, start:end],
@@ -273,6 +358,11 @@ class PreemptibleExecutor:
                 logits[request] = out.logits[0, row].float()
         assert all(item is not None for item in logits)
         return [item for item in logits if item is not None]
+
+    def _splitting(self) -> AbstractContextManager[None]:
+        if self._recorder is not None:
+            return record_trace(self._recorder)
+        return splitting(self._split_policy, self._on_boundary)
 
     def _collect(
         self, batch: PackedBatch, cache: DynamicCache, logits: list[torch.Tensor]
@@ -297,9 +387,10 @@ class PreemptibleExecutor:
         return outputs
 
     def close(self) -> None:
-        """Remove the checkpoint hooks and fast linears and restore the model's attention
-        implementation."""
+        """Remove the checkpoint hooks, split operators and fast linears and restore the
+        model's attention implementation."""
         self._handle.remove()
+        self._split.remove()  # before the fast linears: it wraps their forward
         self._linears.remove()
         if self.model.config._attn_implementation != self._original_attention:
             self.model.set_attn_implementation(self._original_attention)
@@ -309,6 +400,20 @@ class PreemptibleExecutor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _attention_shape(model: PreTrainedModel) -> tuple[int, int]:
+    """Query heads *on this rank* and head dim: a tensor-parallel shard keeps the full
+    model's config, so heads come from the first layer's ``q_proj`` weight when there is
+    one."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    layer = find_decoder_layers(model)[1][0]
+    q_proj = getattr(getattr(layer, "self_attn", None), "q_proj", None)
+    if isinstance(q_proj, torch.nn.Linear):
+        heads = int(q_proj.weight.shape[0]) // head_dim
+    return heads, head_dim
 
 
 def _full_kv(layer: object, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

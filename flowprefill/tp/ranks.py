@@ -55,6 +55,7 @@ from flowprefill.contracts.names import RankCommand
 from flowprefill.errors import RankFailedError, TaskCancelledError
 from flowprefill.executor.preemption import TaskControl
 from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.executor.splitting import SplitRates
 from flowprefill.tp.agreement import FollowerGate, SharedTable
 
 log = logging.getLogger(__name__)
@@ -118,14 +119,27 @@ def init_rank(config: EngineConfig, rank: int, master_port: int) -> PreemptibleE
     path = resolve_model_path(config.model_path)
     model = load_shard(path, Shard(rank, config.tp_size), dtype=DTYPES[config.dtype], device=device)
     install_all_reduces(model)
-    return PreemptibleExecutor(
+    executor = PreemptibleExecutor(
         model,
         granularity=config.granularity,
         chunk_size=config.chunk_size,
         device=device,
         kernels=config.resolved_kernels(),
         kv_gather=gather_kv_heads,
+        max_blocking_ms=config.resolved_max_blocking_ms(),
     )
+    policy = executor.split_policy
+    if policy is not None:
+        # Every rank must split alike (they park at the same checkpoint number): all
+        # predict with rank 0's measured rates.
+        rates = torch.tensor(
+            [policy.rates.gemm_flop_per_s, policy.rates.attention_flop_per_s],
+            dtype=torch.float64,
+            device=device,
+        )
+        dist.broadcast(rates, src=0)
+        executor.set_split_rates(SplitRates(float(rates[0]), float(rates[1])))
+    return executor
 
 
 def gather_kv_heads(
