@@ -34,6 +34,11 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1, description="Only n=1 is served.")
     slo_class: str | None = Field(None, max_length=128, description="FlowPrefill SLO class.")
+    ignore_eos: bool = Field(
+        False,
+        description="vLLM's: generate past end-of-sequence, up to max_tokens (benchmarks "
+        "such as `vllm bench serve` send it for exact output lengths).",
+    )
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -48,7 +53,10 @@ class SamplingFields(BaseModel):
     def decode_sampling(self) -> dict[str, Any]:
         """Sampling fields forwarded to the decode instance as they were given."""
         keys = ("temperature", "top_p", "seed", "stop")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        sampling = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        if self.ignore_eos:
+            sampling["ignore_eos"] = True
+        return sampling
 
 
 class CompletionRequest(SamplingFields):

@@ -159,9 +159,11 @@ class FakeDecode(DecodeClient):
     def __init__(self, fail: UpstreamError | None = None) -> None:
         self.fail = fail
         self.handoffs: list[HandoffRef | None] = []
+        self.sampling: list[dict[str, Any]] = []
 
     async def stream(self, url: str, **kw: Any) -> AsyncGenerator[DecodeDelta, None]:
         self.handoffs.append(kw["handoff"])
+        self.sampling.append(kw["sampling"])
         if self.fail is not None:
             raise self.fail
         yield DecodeDelta(" a")
@@ -242,3 +244,20 @@ def test_the_gateway_imports_no_torch_and_nothing_of_the_prefill_server() -> Non
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_ignore_eos_continues_past_an_eos_first_token_and_reaches_decode() -> None:
+    # vLLM's ignore_eos (vllm bench serve sends it with random prompts): the request runs
+    # to max_tokens, so the gateway neither stops at an EOS first token nor drops the flag.
+    clock = Clock()
+    prefill = FakePrefill(clock, 0.0)
+    pool = InstancePool("decode", ["http://d"], policy="least-loaded", clock=clock)
+    decode = FakeDecode()
+    stage = DecodeStage(pool, decode, prefill, eos_token_ids={2}, clock=clock)
+    j = job(arrival_s=clock.now_s)
+    j.body = CompletionRequest(model="m", prompt=[1, 2, 3], max_tokens=4, ignore_eos=True)
+    eos = PrefillAnswer(response(first=2), 0.0, "http://p")
+    assert await _pieces(stage, j, eos) == [Piece(" a"), Piece(" b", "length")]
+    assert decode.sampling == [{"ignore_eos": True}]
+    plain = CompletionRequest(model="m", prompt=[1], temperature=0.0)
+    assert plain.decode_sampling() == {"temperature": 0.0}
