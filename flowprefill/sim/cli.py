@@ -16,10 +16,12 @@ import argparse
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from rich.console import Console
 from rich.table import Table
 
+from flowprefill.contracts.engine import DEFAULT_MAX_BLOCKING_MS, DEFAULT_MAX_BLOCKING_MS_CPU, OFF
 from flowprefill.errors import FlowPrefillError, InvalidRequestError
 from flowprefill.sim.config import CostSpec, SweepConfig, WorkloadSpec
 from flowprefill.sim.cost import TP_CHECK_S
@@ -44,6 +46,21 @@ def _seeds(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError("--seeds: expected integers separated by commas") from None
+
+
+def max_blocking_ms(text: str) -> float | Literal["off"]:
+    """``--max-blocking-ms``: a positive number of ms, or ``none`` / ``off`` / ``0``."""
+    if text.strip().lower() in ("none", "off", "0", "0.0"):
+        return OFF
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--max-blocking-ms: expected milliseconds or 'none', got {text!r}"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--max-blocking-ms must be positive, got {text}")
+    return value
 
 
 def _systems(text: str) -> tuple[str, ...]:
@@ -73,6 +90,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=TP_CHECK_S * 1e6,
         help="with --tp > 1: µs each preemption checkpoint adds (the ranks' agreement-table "
         "check; measured 1.6 on CPU, benchmarks/tp_overhead.py)",
+    )
+    dev.add_argument(
+        "--max-blocking-ms",
+        type=max_blocking_ms,
+        default=None,
+        help="run-time operator splitting as the engine's max_blocking_ms: operators "
+        "predicted longer run in pieces with a checkpoint between (operator-level systems "
+        f"only). Default: the engine's, {DEFAULT_MAX_BLOCKING_MS:g} on a GPU, "
+        f"{DEFAULT_MAX_BLOCKING_MS_CPU:g} with --profile (CPU); none/0 = never split",
+    )
+    dev.add_argument(
+        "--split-overhead-us",
+        type=float,
+        default=None,
+        help="µs each piece added by splitting costs (default 10 on a GPU: a kernel launch "
+        "behind the checkpoint's sync; 20 for --profile)",
     )
     dev.add_argument("--profile", default=None, help="a `flowprefill profile` JSON to simulate")
     dev.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
@@ -131,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         tp_check_s=args.tp_check_us / 1e6,
         profile=args.profile,
         profile_layers=args.profile_layers,
+        split_overhead_s=None if args.split_overhead_us is None else args.split_overhead_us / 1e6,
     )
     workload = WorkloadSpec(
         kind=kind,
@@ -156,6 +190,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         oracles=not args.no_oracles,
         instances=args.instances,
         router=args.router,
+        max_blocking_ms=args.max_blocking_ms,
         jobs=args.jobs,
         **extra,
     )

@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
+from flowprefill.contracts.engine import (
+    DEFAULT_MAX_BLOCKING_MS,
+    DEFAULT_MAX_BLOCKING_MS_CPU,
+    OFF,
+)
 from flowprefill.errors import InvalidRequestError
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.scheduler.round import LIVE_PROGRESS
@@ -19,6 +24,7 @@ from flowprefill.sim.cost import (
     build_cost_model,
 )
 from flowprefill.sim.hardware import get_gpu, get_model
+from flowprefill.sim.split import CPU_PIECE_OVERHEAD_S, GPU_PIECE_OVERHEAD_S
 from flowprefill.sim.systems import DEFAULT_SYSTEMS, fit_predictor, get_system
 from flowprefill.sim.traces import load_trace
 from flowprefill.sim.workload import Workload, get_slo_table, qwen_like, sharegpt_like
@@ -39,10 +45,20 @@ class CostSpec(BaseModel):
         None, description="A `flowprefill profile` JSON: simulate that engine instead of a GPU."
     )
     profile_layers: int = Field(4, description="Layers to split a profiled pass into.")
+    split_overhead_s: float | None = Field(
+        None,
+        description="What each piece added by operator splitting costs beyond its compute; "
+        "None: the model's default (10 µs on a GPU, 20 µs for a CPU profile).",
+    )
 
     def build(self) -> CostModel:
+        overhead = self.split_overhead_s
         if self.profile is not None:
-            return ProfileCostModel(load_profile(self.profile), num_layers=self.profile_layers)
+            return ProfileCostModel(
+                load_profile(self.profile),
+                num_layers=self.profile_layers,
+                split_overhead_s=CPU_PIECE_OVERHEAD_S if overhead is None else overhead,
+            )
         return build_cost_model(
             self.model,
             self.gpu,
@@ -50,13 +66,15 @@ class CostSpec(BaseModel):
             attn_efficiency=self.attn_efficiency,
             pass_overhead_s=self.pass_overhead_s,
             tp_check_s=self.tp_check_s,
+            split_overhead_s=GPU_PIECE_OVERHEAD_S if overhead is None else overhead,
         )
 
-    def predictor(self, cost: CostModel) -> TTFTPredictor:
-        """The scheduler's predictor: the profile itself, or a fit to the simulated GPU."""
+    def predictor(self, cost: CostModel, max_blocking_s: float | None = None) -> TTFTPredictor:
+        """The scheduler's predictor: the profile itself, or a fit to the simulated GPU
+        (of an engine splitting operators at ``max_blocking_s``, when given)."""
         if self.profile is not None:
             return load_profile(self.profile)
-        return fit_predictor(cost)
+        return fit_predictor(cost, max_blocking_s=max_blocking_s)
 
     def validate_names(self) -> None:
         if self.profile is None:
@@ -129,7 +147,25 @@ class SweepConfig(BaseModel):
         description="Refresh the running task's progress before each round, as the engine's "
         "loop does; off = the earlier engine, which refreshed it only at preemption.",
     )
+    max_blocking_ms: PositiveFloat | Literal["off"] | None = Field(
+        None,
+        description="Run-time operator splitting, as the engine's EngineConfig.max_blocking_ms: "
+        "operators predicted longer run in pieces with a checkpoint between them (systems "
+        f"preempting at operator level only). null: the engine's default for the device "
+        f"({DEFAULT_MAX_BLOCKING_MS:g} ms on a GPU, {DEFAULT_MAX_BLOCKING_MS_CPU:g} ms for a "
+        'CPU --profile); "off": never split.',
+    )
     jobs: int = Field(2, description="Worker processes.")
+
+    @property
+    def max_blocking_s(self) -> float | None:
+        """The bound the simulated engine splits by (seconds), or None: no splitting."""
+        if self.max_blocking_ms == OFF:
+            return None
+        if self.max_blocking_ms is None:
+            cpu = self.cost.profile is not None  # a profile is of this CPU engine
+            return (DEFAULT_MAX_BLOCKING_MS_CPU if cpu else DEFAULT_MAX_BLOCKING_MS) / 1e3
+        return self.max_blocking_ms / 1e3
 
     def check(self) -> None:
         """Reject bad values with a message naming the flag."""
@@ -151,3 +187,7 @@ class SweepConfig(BaseModel):
             raise InvalidRequestError(f"--instances must be ≥ 1, got {self.instances}")
         if self.jobs < 1:
             raise InvalidRequestError(f"--jobs must be ≥ 1, got {self.jobs}")
+        if self.cost.split_overhead_s is not None and self.cost.split_overhead_s < 0:
+            raise InvalidRequestError(
+                f"--split-overhead-us must be ≥ 0, got {self.cost.split_overhead_s * 1e6:g}"
+            )

@@ -22,6 +22,9 @@ Two models:
   chunks).
 * :class:`ProfileCostModel` — the engine's own ``flowprefill profile`` fit
   (:class:`~flowprefill.predictor.model.TTFTPredictor`), for simulating this CPU engine.
+
+Both also price run-time operator splitting (:meth:`CostModel.split_pass_cost`, the
+engine's ``max_blocking_ms``; :mod:`.split`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ from flowprefill.sim.hardware import (
     ModelShape,
     get_gpu,
     get_model,
+)
+from flowprefill.sim.split import (
+    CPU_PIECE_OVERHEAD_S,
+    GPU_PIECE_OVERHEAD_S,
+    attention_pieces,
+    even_pieces,
+    gemm_pieces,
 )
 from flowprefill.sim.vidur import VIDUR_OPS, load_tables
 
@@ -71,11 +81,22 @@ paper's "negligible"; ~10-50 for an all-reduce of a flag at every checkpoint).""
 
 @dataclass(frozen=True, slots=True)
 class PassCost:
-    """Timeline of one forward pass: ``pre_s``, then ``num_layers`` × ``op_s``."""
+    """Timeline of one forward pass: ``pre_s``, then ``num_layers`` × ``op_s``.
+
+    ``op_s`` are the stretches between consecutive operator-level checkpoints of a layer:
+    one per segment, or — split (:meth:`CostModel.split_pass_cost`) — the pieces of every
+    segment in order, ``pieces[i]`` of them for segment ``i``."""
 
     pre_s: float
     op_s: tuple[float, ...]
     num_layers: int
+    pieces: tuple[int, ...] = ()
+    """Pieces per segment when split; empty: one stretch per segment."""
+
+    @property
+    def num_added_checkpoints(self) -> int:
+        """Checkpoints splitting added to this pass (all layers)."""
+        return self.num_layers * (len(self.op_s) - len(self.pieces)) if self.pieces else 0
 
     @property
     def layer_s(self) -> float:
@@ -98,6 +119,11 @@ class CostModel(Protocol):
 
     def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
         """Cost of one pass over these request segments (batched, one chunk each)."""
+        ...
+
+    def split_pass_cost(self, segments: Sequence[Segment], max_blocking_s: float) -> PassCost:
+        """The same pass with every segment predicted longer than ``max_blocking_s`` run
+        in pieces (:mod:`.split`); segments within the bound as in :meth:`pass_cost`."""
         ...
 
     def ideal_cost_s(self, num_tokens: int) -> float:
@@ -135,6 +161,7 @@ class GPUCostModel:
         attn_efficiency: float = ATTN_EFFICIENCY,
         pass_overhead_s: float = PASS_OVERHEAD_S,
         tp_check_s: float = TP_CHECK_S,
+        split_overhead_s: float = GPU_PIECE_OVERHEAD_S,
     ) -> None:
         tables = load_tables()
         tp = model.default_tp if tp is None else tp
@@ -146,7 +173,12 @@ class GPUCostModel:
             raise InvalidRequestError(f"--pass-overhead-ms must be ≥ 0, got {pass_overhead_s}")
         if tp_check_s < 0:
             raise InvalidRequestError(f"--tp-check-us must be ≥ 0, got {tp_check_s * 1e6:g}")
+        if split_overhead_s < 0:
+            raise InvalidRequestError(
+                f"--split-overhead-us must be ≥ 0, got {split_overhead_s * 1e6:g}"
+            )
         self.model, self.gpu, self.tp = model, gpu, tp
+        self.split_overhead_s = split_overhead_s
         self.checkpoint_s = tp_check_s if tp > 1 else 0.0
         self.name = f"{model.name}/{gpu.name}/tp{tp}"
         self.max_context_tokens = model.max_context_tokens
@@ -172,16 +204,22 @@ class GPUCostModel:
         self._attn_flop_s = 1.0 / (gpu.peak_bf16_flops * attn_efficiency)
         self._heads = max(1, model.num_heads // tp)
         self._kv_bytes = model.kv_bytes_per_token_per_layer(tp)
-        self._gemm = lru_cache(maxsize=1 << 16)(self._gemm_uncached)
+        self._compute = lru_cache(maxsize=1 << 16)(self._compute_uncached)
 
-    def _gemm_uncached(self, num_tokens: int) -> tuple[float, float, float, float, float]:
-        """(emb, qkv, o_proj, gate_up, down_proj) seconds for a pass of ``num_tokens``."""
+    def _compute_uncached(self, num_tokens: int) -> tuple[float, float, float, float, float]:
+        """(emb, qkv, o_proj, gate_up, down_proj) compute seconds at ``num_tokens`` rows."""
         xs, ys = self._xs, self._ys
         if num_tokens > xs[-1]:
             vals = ys[:, -1] * (num_tokens / xs[-1])
         else:
             vals = np.array([np.interp(num_tokens, xs, row) for row in ys])
         emb, qkv, o, up, down = (float(v) for v in vals)
+        return emb, qkv, o, up, down
+
+    def _gemm(self, num_tokens: int) -> tuple[float, float, float, float, float]:
+        """(emb, qkv, o_proj, gate_up, down_proj) seconds for a pass of ``num_tokens``,
+        the all-reduces after o_proj and down_proj included."""
+        emb, qkv, o, up, down = self._compute(num_tokens)
         comm = self.allreduce_s(num_tokens)
         return emb, qkv, o + comm, up, down + comm
 
@@ -211,11 +249,42 @@ class GPUCostModel:
         reread_s = prefix_tokens * self._kv_bytes / self.gpu.hbm_bytes_per_s
         return flops * self._attn_flop_s + reread_s
 
+    def _reread_s(self, prefix_tokens: int) -> float:
+        return prefix_tokens * self._kv_bytes / self.gpu.hbm_bytes_per_s
+
     def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
         num_tokens = sum(c for c, _ in segments)
         emb, qkv, o, up, down = self._gemm(num_tokens)
         attn = self.attention_s(segments)
         return PassCost(self.pass_overhead_s + emb, (qkv, attn, o, up, down), self.model.num_layers)
+
+    def split_pass_cost(self, segments: Sequence[Segment], max_blocking_s: float) -> PassCost:
+        """GEMM tiles at the profile's time for the tile's token count; attention blocks
+        at their FLOPs; ``split_overhead_s`` per added piece (:mod:`.split`)."""
+        whole = self.pass_cost(segments)
+        b, extra = max_blocking_s, self.split_overhead_s
+        if max(whole.op_s) <= b:
+            return whole
+        n = sum(c for c, _ in segments)
+        comm = self.allreduce_s(n)
+
+        def segment(i: int) -> tuple[float, ...]:
+            if whole.op_s[i] <= b:
+                return (whole.op_s[i],)
+            if i == 1:
+                pair_s = 4.0 * self._heads * self.model.head_dim * self._attn_flop_s
+                return attention_pieces(segments, pair_s, self._reread_s, b, extra)
+            tail = comm if i in (2, 4) else 0.0
+            column = i if i else 1  # _compute's columns: emb, qkv, o_proj, gate_up, down_proj
+            return gemm_pieces(lambda m: self._compute(m)[column], n, b, extra, tail_s=tail)
+
+        split = [segment(i) for i in range(len(whole.op_s))]
+        return PassCost(
+            whole.pre_s,
+            tuple(t for pieces in split for t in pieces),
+            whole.num_layers,
+            tuple(len(pieces) for pieces in split),
+        )
 
     def ideal_cost_s(self, num_tokens: int) -> float:
         """Cheapest GEMM time per token, the all-reduces' bandwidth (two per layer: no
@@ -246,10 +315,18 @@ class ProfileCostModel:
     checkpoint_s = 0.0
     """The profiled engine runs on one device: a checkpoint is a flag read, in the profile."""
 
-    def __init__(self, predictor: TTFTPredictor, *, num_layers: int = 4, max_tokens: int = 0):
+    def __init__(
+        self,
+        predictor: TTFTPredictor,
+        *,
+        num_layers: int = 4,
+        max_tokens: int = 0,
+        split_overhead_s: float = CPU_PIECE_OVERHEAD_S,
+    ):
         if num_layers < 1:
             raise InvalidRequestError(f"--profile-layers must be ≥ 1, got {num_layers}")
         self.predictor = predictor
+        self.split_overhead_s = split_overhead_s
         self.num_layers = num_layers
         self.name = f"profile:{predictor.model or 'engine'}@{predictor.hardware or 'cpu'}"
         self.max_context_tokens = max_tokens or max(predictor.max_tokens * 8, 32768)
@@ -268,8 +345,28 @@ class ProfileCostModel:
         op = total / (5 * self.num_layers)
         return PassCost(0.0, (op,) * 5, self.num_layers)
 
+    def split_pass_cost(self, segments: Sequence[Segment], max_blocking_s: float) -> PassCost:
+        """Equal pieces (the profile's work is linear in rows and in query-key pairs, so a
+        piece costs its share), ``split_overhead_s`` per added piece."""
+        return split_evenly(self.pass_cost(segments), max_blocking_s, self.split_overhead_s)
+
     def ideal_cost_s(self, num_tokens: int) -> float:
         return max(self._poly(num_tokens) - self._coef[0], 0.0)
+
+
+def split_evenly(cost: PassCost, max_blocking_s: float, overhead_s: float) -> PassCost:
+    """``cost`` with every segment longer than the bound cut into ``ceil(t / b)`` equal
+    pieces (:func:`~flowprefill.sim.split.even_pieces`): for cost models without a
+    finer per-operator model."""
+    if max(cost.op_s, default=0.0) <= max_blocking_s:
+        return cost
+    split = [even_pieces(t, max_blocking_s, overhead_s) for t in cost.op_s]
+    return PassCost(
+        cost.pre_s,
+        tuple(t for pieces in split for t in pieces),
+        cost.num_layers,
+        tuple(len(pieces) for pieces in split),
+    )
 
 
 def build_cost_model(
@@ -280,6 +377,7 @@ def build_cost_model(
     attn_efficiency: float = ATTN_EFFICIENCY,
     pass_overhead_s: float = PASS_OVERHEAD_S,
     tp_check_s: float = TP_CHECK_S,
+    split_overhead_s: float = GPU_PIECE_OVERHEAD_S,
 ) -> GPUCostModel:
     """By name; unknown model or GPU names raise UnknownNameError listing the known ones."""
     return GPUCostModel(
@@ -289,4 +387,5 @@ def build_cost_model(
         attn_efficiency=attn_efficiency,
         pass_overhead_s=pass_overhead_s,
         tp_check_s=tp_check_s,
+        split_overhead_s=split_overhead_s,
     )

@@ -108,6 +108,8 @@ class SimResult:
     first_arrival_s: float
     last_finish_s: float
     num_tokens_done: int
+    num_added_checkpoints: int = 0
+    """Checkpoints run-time operator splitting added to the tasks submitted."""
 
     @property
     def attainment(self) -> float:
@@ -223,4 +225,5 @@ class Simulation:
             first_arrival_s=arrivals[0].arrival_s if arrivals else 0.0,
             last_finish_s=self._last_finish_s,
             num_tokens_done=self._tokens_done,
+            num_added_checkpoints=sum(x.pool.num_added_checkpoints for x in self.instances),
         )

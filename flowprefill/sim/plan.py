@@ -19,14 +19,21 @@ Checkpoints, mirroring the engine's executor (flowprefill/executor/checkpoints.p
 A preempt signal raised at elapsed ``e`` is honoured at the first checkpoint at or after
 ``e``; the blocking time is the distance.
 
+Run-time operator splitting (``max_blocking_s``, the engine's ``max_blocking_ms``; operator
+granularity only): every segment predicted longer than the bound runs in pieces, with a
+checkpoint after each piece (:meth:`~flowprefill.sim.cost.CostModel.split_pass_cost`,
+:mod:`.split`), so at operator granularity the checkpoints are after every *piece* of every
+segment. Segments within the bound keep their single checkpoint; a pass with none over it
+is exactly the unsplit one.
+
 Tensor parallelism changes where nothing parks, only what a checkpoint costs: every rank
 passes the same checkpoints and they park at the same checkpoint number (the paper's
 synchronised counter, §5.1). The engine agrees on that number through a shared-memory
 table each rank checks at *every* checkpoint (flowprefill/tp/agreement.py), so each
 checkpoint of the granularity in use adds the cost model's ``checkpoint_s`` to the segment
-it ends:
-5 per layer at operator level, 1 at layer level, none for ``none`` (chunk boundaries are
-pass boundaries, already paid by the per-pass overhead) and the free ``instant`` oracle.
+(or piece) it ends: 5 per layer at operator level plus those splitting adds, 1 at layer
+level, none for ``none`` (chunk boundaries are pass boundaries, already paid by the
+per-pass overhead) and the free ``instant`` oracle.
 Not modelled: the engine's target can lie past the checkpoint where the leader saw the
 signal when a follower already ran ahead (at most to the next collective; usually it is
 the same checkpoint), and the ACK waits for the slowest rank to park.
@@ -35,6 +42,7 @@ the same checkpoint), and the ACK waits for the slowest rank to park.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,7 +99,14 @@ def with_checkpoints(cost: PassCost, granularity: Granularity, check_s: float) -
         op_s = tuple(op + check_s for op in cost.op_s)
     else:  # LAYER: one check at the end of each layer
         op_s = (*cost.op_s[:-1], cost.op_s[-1] + check_s)
-    return PassCost(cost.pre_s, op_s, cost.num_layers)
+    return PassCost(cost.pre_s, op_s, cost.num_layers, cost.pieces)
+
+
+def check_max_blocking_s(max_blocking_s: float | None) -> None:
+    if max_blocking_s is not None and not max_blocking_s > 0:
+        raise InvalidRequestError(
+            f"--max-blocking-ms must be positive (or none), got {max_blocking_s * 1e3:g}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +115,8 @@ class ExecutionPlan:
     starts_s: tuple[float, ...]
     total_s: float
     granularity: Granularity
+    op_ends_s: tuple[tuple[float, ...], ...]
+    """Per pass: where each stretch of ``op_s`` ends within a layer (running sums)."""
 
     @classmethod
     def build(
@@ -109,9 +126,17 @@ class ExecutionPlan:
         *,
         granularity: Granularity,
         chunk_size: int | None = None,
+        max_blocking_s: float | None = None,
     ) -> ExecutionPlan:
+        """``max_blocking_s`` splits operators (operator granularity only, as the engine)."""
+        check_max_blocking_s(max_blocking_s)
+        bound = max_blocking_s if granularity is Granularity.OPERATOR else None
         passes = tuple(
-            with_checkpoints(cost.pass_cost(seg), granularity, cost.checkpoint_s)
+            with_checkpoints(
+                cost.pass_cost(seg) if bound is None else cost.split_pass_cost(seg, bound),
+                granularity,
+                cost.checkpoint_s,
+            )
             for seg in chunk_segments(lengths, chunk_size)
         )
         starts: list[float] = []
@@ -119,7 +144,13 @@ class ExecutionPlan:
         for p in passes:
             starts.append(t)
             t += p.total_s
-        return cls(passes, tuple(starts), t, granularity)
+        ends = tuple(tuple(itertools.accumulate(p.op_s)) for p in passes)
+        return cls(passes, tuple(starts), t, granularity, ends)
+
+    @property
+    def num_added_checkpoints(self) -> int:
+        """Checkpoints operator splitting added to this task."""
+        return sum(p.num_added_checkpoints for p in self.passes)
 
     def next_checkpoint_s(self, elapsed_s: float) -> float | None:
         """First checkpoint at or after ``elapsed_s``; None if the task ends first."""
@@ -147,11 +178,10 @@ class ExecutionPlan:
         within = y - layer * layer_s
         if within <= 0:
             return start + p.pre_s + layer * layer_s  # exactly at the previous layer's end
-        acc = 0.0
-        for op in p.op_s:
-            acc += op
-            if acc >= within:
-                return start + p.pre_s + layer * layer_s + acc
+        ends = self.op_ends_s[k]
+        i = bisect.bisect_left(ends, within)  # the first stretch ending at or after it
+        if i < len(ends):
+            return start + p.pre_s + layer * layer_s + ends[i]
         # Rounding put us past the layer's end: the next checkpoint is the next layer's first.
         if layer + 1 < p.num_layers:
             return start + p.pre_s + (layer + 1) * layer_s + p.op_s[0]

@@ -41,12 +41,9 @@ def last_checkpoint_s(plan: ExecutionPlan, elapsed_s: float) -> float:
     if g is Granularity.LAYER or layers_done == p.num_layers:
         return t
     within = y - layers_done * layer_s
-    acc = 0.0
-    for op in p.op_s:
-        if acc + op > within + _EPS_S:
-            break
-        acc += op
-    return t + acc
+    ends = plan.op_ends_s[k]
+    i = bisect.bisect_right(ends, within + _EPS_S)  # stretches ended by now
+    return t + (ends[i - 1] if i else 0.0)
 
 
 @dataclass(slots=True)
@@ -72,11 +69,15 @@ class SimulatedPool:
     cost: CostModel
     granularity: Granularity
     chunk_size: int | None = None
+    max_blocking_s: float | None = None
+    """Run-time operator splitting bound (operator granularity only); None: never split."""
     now_s: float = 0.0
     running: Task | None = None
     blocking_s: list[float] = field(default_factory=list)
     work_s: float = 0.0
     """Device time of every task submitted so far (each runs to its end eventually)."""
+    num_added_checkpoints: int = 0
+    """Checkpoints operator splitting added to the tasks submitted so far."""
     _runs: dict[int, _Run] = field(default_factory=dict)
 
     def advance_to(self, now_s: float) -> None:
@@ -93,10 +94,15 @@ class SimulatedPool:
             raise RuntimeError(f"cannot submit {task!r}: {self.running!r} is running")
         lengths = [r.num_tokens for r in task.requests]
         plan = ExecutionPlan.build(
-            self.cost, lengths, granularity=self.granularity, chunk_size=self.chunk_size
+            self.cost,
+            lengths,
+            granularity=self.granularity,
+            chunk_size=self.chunk_size,
+            max_blocking_s=self.max_blocking_s,
         )
         self._runs[task.task_id] = _Run(plan)
         self.work_s += plan.total_s
+        self.num_added_checkpoints += plan.num_added_checkpoints
         self.resume(task)
 
     def resume(self, task: Task) -> None:

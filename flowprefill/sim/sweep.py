@@ -18,8 +18,10 @@ from typing import Any
 from tqdm import tqdm
 
 from flowprefill.errors import FlowPrefillError, InvalidRequestError
+from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.sim.config import SweepConfig
 from flowprefill.sim.cost import CostModel
+from flowprefill.sim.plan import Granularity
 from flowprefill.sim.search import highest_passing, lowest_passing
 from flowprefill.sim.systems import SystemSpec, get_system, run_system
 from flowprefill.sim.workload import Workload
@@ -52,6 +54,8 @@ class RunSummary:
     throughput_tokens_per_s: float
     num_shed: int
     stopped_early: bool
+    num_added_checkpoints: int = 0
+    """Checkpoints operator splitting added (all tasks submitted, all seeds)."""
 
 
 @dataclass
@@ -75,6 +79,13 @@ class Evaluator:
         self.cfg = cfg
         self.cost: CostModel = cfg.cost.build()
         self.predictor = cfg.cost.predictor(self.cost)
+        self.split_predictor = (
+            self.predictor
+            if cfg.max_blocking_s is None
+            else cfg.cost.predictor(self.cost, cfg.max_blocking_s)
+        )
+        """What an engine splitting operators profiles (systems preempting at operator
+        level); the others' is ``predictor``."""
         self.workloads: list[Workload] = cfg.workload.build(
             cfg.cost.model, self.cost.max_context_tokens
         )
@@ -96,12 +107,15 @@ class Evaluator:
         # At rate λ the cheapest share brings λ · cheap_work_s / N seconds of work per second.
         return self.cfg.instances * self.num_requests / cheap_work_s
 
+    def predictor_for(self, spec: SystemSpec) -> TTFTPredictor:
+        return self.split_predictor if spec.granularity is Granularity.OPERATOR else self.predictor
+
     def run(
         self, spec: SystemSpec, rate: float, slo_scale: float, *, stop_below: float | None = None
     ) -> RunSummary:
         """Pooled run; with ``stop_below`` it ends once attainment is sure to be lower."""
         budget = None if stop_below is None else math.floor((1 - stop_below) * self.num_requests)
-        met = shed = rounds = preemptions = tokens = 0
+        met = shed = rounds = preemptions = tokens = added = 0
         span = 0.0
         per_class: dict[str, list[int]] = {}
         blocking: list[float] = []
@@ -113,17 +127,19 @@ class Evaluator:
                 self.cost,
                 rate=rate,
                 slo_scale=slo_scale,
-                predictor=self.predictor,
+                predictor=self.predictor_for(spec),
                 num_instances=self.cfg.instances,
                 router=self.cfg.router,
                 miss_budget=budget,
                 live_progress=self.cfg.live_progress,
+                max_blocking_s=self.cfg.max_blocking_s,
             )
             met += res.num_met
             shed += res.num_shed
             rounds += res.num_rounds
             preemptions += res.num_preemptions
             tokens += res.num_tokens_done
+            added += res.num_added_checkpoints
             span += res.last_finish_s - res.first_arrival_s
             blocking.extend(res.blocking_s)
             for c, (m, t) in res.per_class.items():
@@ -147,6 +163,7 @@ class Evaluator:
             throughput_tokens_per_s=tokens / span if span > 0 else 0.0,
             num_shed=shed,
             stopped_early=stopped,
+            num_added_checkpoints=added,
         )
 
     def saturation_tokens_per_s(self, spec: SystemSpec) -> float:
@@ -159,10 +176,11 @@ class Evaluator:
                 w.head(SATURATION_REQUESTS),
                 self.cost,
                 rate=SATURATION_LOAD * self.bound_rps(),
-                predictor=self.predictor,
+                predictor=self.predictor_for(spec),
                 num_instances=self.cfg.instances,
                 router=self.cfg.router,
                 live_progress=self.cfg.live_progress,
+                max_blocking_s=self.cfg.max_blocking_s,
             )
             tokens += res.num_tokens_done
             span += res.last_finish_s - res.first_arrival_s

@@ -108,23 +108,34 @@ def get_system(name: str) -> SystemSpec:
     return spec
 
 
-def fit_predictor(cost: CostModel, *, max_tokens: int | None = None) -> TTFTPredictor:
+def fit_predictor(
+    cost: CostModel, *, max_tokens: int | None = None, max_blocking_s: float | None = None
+) -> TTFTPredictor:
     """What ``flowprefill profile`` would fit on this simulated device: a degree-2
-    polynomial through solo prefill times at 24 geometric points from 16 tokens."""
-    return _fit_cached(cost, max_tokens or cost.max_context_tokens)
+    polynomial through solo prefill times at 24 geometric points from 16 tokens — of an
+    engine that splits operators at ``max_blocking_s`` when given (it profiles its own
+    prefills, split pieces included)."""
+    return _fit_cached(cost, max_tokens or cost.max_context_tokens, max_blocking_s)
 
 
-_FITS: dict[tuple[int, int], tuple[CostModel, TTFTPredictor]] = {}
+_FITS: dict[tuple[int, int, float | None], tuple[CostModel, TTFTPredictor]] = {}
 
 
-def _fit_cached(cost: CostModel, max_tokens: int) -> TTFTPredictor:
-    hit = _FITS.get((id(cost), max_tokens))
+def _fit_cached(cost: CostModel, max_tokens: int, max_blocking_s: float | None) -> TTFTPredictor:
+    key = (id(cost), max_tokens, max_blocking_s)
+    hit = _FITS.get(key)
     if hit is not None and hit[0] is cost:
         return hit[1]
     points = sorted({round(16 * (max_tokens / 16) ** (i / 23)) for i in range(24)})
-    samples = [(n, cost.pass_cost([(n, 0)]).total_s) for n in points]
+
+    def solo_s(n: int) -> float:
+        if max_blocking_s is None:
+            return cost.pass_cost([(n, 0)]).total_s
+        return cost.split_pass_cost([(n, 0)], max_blocking_s).total_s
+
+    samples = [(n, solo_s(n)) for n in points]
     fit = TTFTPredictor.fit(samples, 2, hardware=cost.name, model="simulated")
-    _FITS[(id(cost), max_tokens)] = (cost, fit)
+    _FITS[key] = (cost, fit)
     return fit
 
 
@@ -138,14 +149,17 @@ def build_instance(
     predict_s: Callable[[int], float],
     *,
     live_progress: bool = LIVE_PROGRESS,
+    max_blocking_s: float | None = None,
 ) -> Instance:
+    """``max_blocking_s`` splits operators at run time (only systems that preempt at
+    operator level, as the engine; the baselines are unchanged)."""
     scheduler = Scheduler(
         predict_s=predict_s,
         policy=get_policy(spec.policy),
         batching=get_batching(spec.batching),
         token_budget=spec.token_budget,
     )
-    pool = SimulatedPool(cost, spec.granularity, spec.chunk_size)
+    pool = SimulatedPool(cost, spec.granularity, spec.chunk_size, max_blocking_s)
     return Instance(scheduler, pool, get_admission(spec.admission), live_progress=live_progress)
 
 
@@ -161,11 +175,14 @@ def run_system(
     router: str = "round-robin",
     miss_budget: int | None = None,
     live_progress: bool = LIVE_PROGRESS,
+    max_blocking_s: float | None = None,
 ) -> SimResult:
     """One simulated run of ``workload`` at ``rate`` req/s (over all instances)."""
     predict_s = cached_predict(predictor or fit_predictor(cost))
     instances = [
-        build_instance(spec, cost, predict_s, live_progress=live_progress)
+        build_instance(
+            spec, cost, predict_s, live_progress=live_progress, max_blocking_s=max_blocking_s
+        )
         for _ in range(num_instances)
     ]
     sim = Simulation(instances, router=get_router(router), miss_budget=miss_budget)

@@ -104,7 +104,7 @@ def compare_with_measured(
     cfg: SweepConfig, records: list[MeasuredRecord], *, system: str
 ) -> ValidationReport:
     cost = cfg.cost.build()
-    predictor = cfg.cost.predictor(cost)
+    predictor = cfg.cost.predictor(cost, cfg.max_blocking_s)
     t0 = min(r.arrival_s for r in records)
     requests = [
         Request.create(
@@ -117,7 +117,11 @@ def compare_with_measured(
         for r in records
     ]
     instance = build_instance(
-        get_system(system), cost, cached_predict(predictor), live_progress=cfg.live_progress
+        get_system(system),
+        cost,
+        cached_predict(predictor),
+        live_progress=cfg.live_progress,
+        max_blocking_s=cfg.max_blocking_s,
     )
     result = Simulation([instance]).run(requests)
     by_id = {r.request_id: r for r in requests}

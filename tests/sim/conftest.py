@@ -8,7 +8,7 @@ import pytest
 
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.request import Request
-from flowprefill.sim.cost import PassCost, Segment
+from flowprefill.sim.cost import PassCost, Segment, split_evenly
 
 
 class ToyCost:
@@ -40,6 +40,10 @@ class ToyCost:
         work += sum(p for _, p in segments) * self.reread_s
         op = work / (5 * self.num_layers)
         return PassCost(self.overhead_s, (op,) * 5, self.num_layers)
+
+    def split_pass_cost(self, segments: Sequence[Segment], max_blocking_s: float) -> PassCost:
+        """Equal pieces, no added cost."""
+        return split_evenly(self.pass_cost(segments), max_blocking_s, 0.0)
 
     def ideal_cost_s(self, num_tokens: int) -> float:
         return num_tokens * self.per_token_s

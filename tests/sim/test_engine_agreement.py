@@ -31,7 +31,7 @@ from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.request import Request, Task
 from flowprefill.scheduler.core import CommandKind, Scheduler, SchedulerOutput
 from flowprefill.scheduler.round import Arrival, Completion, Event, run_round
-from flowprefill.sim.cost import PassCost, Segment
+from flowprefill.sim.cost import PassCost, Segment, split_evenly
 from flowprefill.sim.driver import Simulation
 from flowprefill.sim.systems import build_instance, get_system
 from flowprefill.sim.workload import qwen_like
@@ -62,6 +62,9 @@ class BlockCost:
     def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
         num_blocks, block_s = blocks(sum(new for new, _ in segments))
         return PassCost(0.0, (block_s,), num_blocks)
+
+    def split_pass_cost(self, segments: Sequence[Segment], max_blocking_s: float) -> PassCost:
+        return split_evenly(self.pass_cost(segments), max_blocking_s, 0.0)
 
     def ideal_cost_s(self, num_tokens: int) -> float:
         return num_tokens * PER_TOKEN_S

@@ -1,0 +1,152 @@
+"""Run-time operator splitting, as the simulator models it (docs/simulator.md, "Bounded
+blocking").
+
+The engine (``EngineConfig.max_blocking_ms``, flowprefill/executor/splitting.py) splits
+any operator whose *predicted* time exceeds a bound ``b`` into pieces with a preemption
+checkpoint between consecutive pieces, so an urgent arrival waits for at most about one
+piece instead of one whole operator:
+
+* GEMM-type segments (qkv_proj, o_proj, gate_up, down_proj) run in ``ceil(t / b)`` tiles
+  of token rows, cut like the engine's ``row_tiles`` (sizes differing by at most one
+  row). A tile's time is the cost model's time *at the tile's token count* (for the GPU
+  model: the vidur profile interpolated there, so small-tile inefficiency is the measured
+  one), not ``t / k``.
+* Attention runs in blocks of query rows: block ``[a, a + r)`` of a request with ``c``
+  new tokens after ``p`` cached ones attends to every key up to its last row, i.e.
+  ``r·(p + a) + r²/2`` query-key pairs. As in the engine's ``attention_plan``, each block
+  takes the most rows whose predicted time fits ``b`` (the last block takes the rest);
+  requests short enough stay whole, and consecutive pieces are grouped into stretches up
+  to ``b``, with a checkpoint between stretches.
+* Operators predicted within ``b`` run whole: a short prompt's plan is the unsplit one.
+
+Every added piece pays ``overhead_s`` on top of its own compute (an extra kernel behind a
+checkpoint; see :data:`GPU_PIECE_OVERHEAD_S`). Splitting happens at operator granularity
+only (the engine's rule); the plan (:mod:`.plan`) puts a checkpoint after every piece.
+
+Not modelled: the per-pass overhead and the embedding before the first layer are not
+split (neither is in a decoder layer), and under tensor parallelism the all-reduce after
+o_proj and down_proj runs once, after the last tile (the engine's all-reduce is a forward
+hook of the whole linear), so it is added to the last piece.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+MIN_ROWS = 16
+"""Smallest tile or attention block, as the engine's ``splitting.MIN_ROWS``."""
+
+GPU_PIECE_OVERHEAD_S = 10e-6
+"""What one added piece costs on a GPU beyond its kernels' own time. The engine's default
+``every_check`` sync (flowprefill/executor/device.py) waits for the stream at every
+checkpoint, so the next piece's first kernel launch is exposed: CUDA launch latency is
+~5 µs and a stream-sync round trip a few µs more on A100/H100. The vidur operator times
+are kernel times (no launch gaps), so this is charged per *added* piece only; the
+unsplit operator-level checkpoints are not charged (as before; paper §6.4: negligible).
+``--split-overhead-us``."""
+
+CPU_PIECE_OVERHEAD_S = 20e-6
+"""The same for the profiled CPU engine (:class:`~flowprefill.sim.cost.ProfileCostModel`):
+one more torch operator dispatch (~10 µs) and checkpoint call (~3 µs per hook call,
+docs/executor.md "Cost of the checkpoints"). Tiling itself costs nothing measurable on
+CPU: tiles of 64–1024 rows of a 256→768 linear ran no slower than the whole 2048-row
+call (1 thread, this box), and the profile's GEMM time is linear in rows."""
+
+
+def num_pieces(time_s: float, bound_s: float) -> int:
+    """``ceil(t / b)``: how many pieces an operator predicted at ``time_s`` becomes."""
+    if time_s <= bound_s:
+        return 1
+    return math.ceil(time_s / bound_s)
+
+
+def tile_sizes(num_rows: int, pieces: int) -> list[int]:
+    """Rows of each tile when ``num_rows`` are cut into ``pieces`` tiles the engine's way
+    (``row_tiles``): sizes differing by at most one row, at most ``ceil(n / MIN_ROWS)``
+    tiles (the engine's tile is never planned under :data:`MIN_ROWS` rows)."""
+    pieces = max(1, min(pieces, math.ceil(num_rows / MIN_ROWS)))
+    size, extra = divmod(num_rows, pieces)
+    return [size + 1] * extra + [size] * (pieces - extra)
+
+
+def gemm_pieces(
+    time_at: Callable[[int], float],
+    num_tokens: int,
+    bound_s: float,
+    overhead_s: float,
+    *,
+    tail_s: float = 0.0,
+) -> tuple[float, ...]:
+    """Pieces of a row-wise segment over ``num_tokens`` rows: ``time_at(m)`` is its time
+    at ``m`` rows; ``tail_s`` (an all-reduce after the whole linear) joins the last piece.
+    Within the bound: one piece, ``time_at(num_tokens) + tail_s``."""
+    whole = time_at(num_tokens)
+    k = num_pieces(whole, bound_s)
+    if k == 1 or num_tokens < 2 * MIN_ROWS:
+        return (whole + tail_s,)
+    times = [time_at(m) for m in tile_sizes(num_tokens, k)]
+    if len(times) == 1:
+        return (whole + tail_s,)
+    out = [times[0], *(t + overhead_s for t in times[1:])]
+    out[-1] += tail_s
+    return tuple(out)
+
+
+def attention_blocks(new: int, prefix: int, pair_budget: float) -> list[float]:
+    """Query-key pairs of each block of query rows of one request (``new`` rows after
+    ``prefix`` cached keys; row ``x`` sees ``prefix + x`` keys, continuously): each block
+    the most rows whose pairs fit ``pair_budget`` (at least :data:`MIN_ROWS`), the last
+    the rest. They sum to ``new·prefix + new²/2``."""
+    blocks: list[float] = []
+    a = 0
+    while a < new:
+        base = prefix + a
+        rows = int(-base + math.sqrt(base * base + 2 * pair_budget))
+        rows = min(new - a, max(MIN_ROWS, rows))
+        b = a + rows
+        blocks.append(rows * prefix + (b * b - a * a) / 2)
+        a = b
+    return blocks
+
+
+def attention_pieces(
+    segments: Sequence[tuple[int, int]],
+    pair_s: float,
+    reread_s: Callable[[int], float],
+    bound_s: float,
+    overhead_s: float,
+) -> tuple[float, ...]:
+    """Stretches of one layer's attention over ``(new, prefix)`` segments: ``pair_s`` per
+    query-key pair, ``reread_s(prefix)`` for a request's cached KV (shared among its blocks
+    in proportion to their pairs: FlashAttention streams the keys once per query tile
+    anyway, so blocks of ≥ 128 rows add no HBM traffic). Whole requests and blocks are
+    grouped greedily into stretches within ``bound_s`` (the engine's ``attention_plan``);
+    each stretch after the first pays ``overhead_s``."""
+    pieces: list[float] = []
+    for c, p in segments:
+        pairs = c * p + c * c / 2
+        whole = pairs * pair_s + reread_s(p)
+        if whole <= bound_s or c < 2 * MIN_ROWS:
+            pieces.append(whole)
+            continue
+        share = reread_s(p) / pairs if pairs > 0 else 0.0
+        pieces.extend(q * (pair_s + share) for q in attention_blocks(c, p, bound_s / pair_s))
+    stretches: list[float] = []
+    used = math.inf
+    for t in pieces:
+        if used + t > bound_s:
+            stretches.append(overhead_s if stretches else 0.0)
+            used = 0.0
+        stretches[-1] += t
+        used += t
+    return tuple(stretches)
+
+
+def even_pieces(time_s: float, bound_s: float, overhead_s: float) -> tuple[float, ...]:
+    """A segment with no finer cost model (the profiled CPU engine, test models):
+    ``ceil(t / b)`` equal pieces, each after the first paying ``overhead_s``."""
+    k = num_pieces(time_s, bound_s)
+    if k == 1:
+        return (time_s,)
+    return (time_s / k, *((time_s / k + overhead_s,) * (k - 1)))
