@@ -50,7 +50,7 @@ from flowprefill.contracts.deployment import (
     OFFLINE_ENV,
     PREFILL_PORT,
 )
-from flowprefill.contracts.engine import MAX_TP_SIZE
+from flowprefill.contracts.engine import MAX_TP_SIZE, max_blocking_arg
 from flowprefill.contracts.processes import (
     Launcher,
     ProcessSpec,
@@ -195,6 +195,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--chunk-size", type=int, default=None, help="split prompts into chunks of this many tokens"
     )
     p.add_argument(
+        "--max-blocking-ms",
+        type=max_blocking_arg,
+        default=None,
+        help="split operators predicted to run longer than this between two preemption "
+        "checkpoints (ms, or off; default: the device's, docs/executor.md)",
+    )
+    p.add_argument(
         "--routing", default=Router.SLACK_AWARE, type=name_arg(Router), choices=list(Router)
     )
     p.add_argument("--profile", help="TTFT profile JSON (profiled once at start when absent)")
@@ -333,6 +340,7 @@ def plan_stack(
             batching=args.batching,
             batch_token_budget=args.batch_token_budget,
             chunk_size=args.chunk_size,
+            max_blocking_ms=args.max_blocking_ms,
             predictor_path=str(profile),
             tp_size=args.tp,
             num_threads=threads_per_rank(args),

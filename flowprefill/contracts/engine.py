@@ -8,6 +8,8 @@ starts.
 
 from __future__ import annotations
 
+import argparse
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -56,7 +58,22 @@ DEFAULT_MAX_BLOCKING_MS_CPU = 25.0
 enough for 4 ms would be a few rows each (slow kernels); at 25 ms the 8K-token prefill of
 demo-llama loses < 2 % throughput (benchmarks/bounded_blocking.py, docs/executor.md)."""
 
-OFF = "off"
+OFF: Literal["off"] = "off"
+
+
+def max_blocking_arg(text: str) -> float | Literal["off"]:
+    """``--max-blocking-ms`` on the command line: a positive number of ms, or ``off``."""
+    if text.strip().lower() == OFF:
+        return OFF
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(
+            f"--max-blocking-ms must be a positive number of milliseconds or 'off', got {text!r}"
+        )
+    return value
 
 
 class KVHandoffSettings(BaseModel):

@@ -13,6 +13,7 @@ from flowprefill.contracts.deployment import (
     KV_DIR_ENV,
     PREFILL_PORT,
 )
+from flowprefill.contracts.engine import max_blocking_arg
 
 if TYPE_CHECKING:
     from flowprefill.server.kv_sink import DirectorySink
@@ -50,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="override kv.max_age_s: seconds after which unconsumed hand-offs are swept",
     )
+    p.add_argument(
+        "--max-blocking-ms",
+        type=max_blocking_arg,
+        help="override max_blocking_ms: split operators predicted to run longer between two "
+        "checkpoints (a number of ms, or off)",
+    )
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest accepted body")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
 
@@ -58,7 +65,13 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
     """engine.json (or the defaults) with the command line's overrides applied."""
     config = EngineConfig.load(args.config) if args.config else EngineConfig()
     updates: dict[str, Any] = {
-        k: v for k, v in (("model_path", args.model), ("predictor_path", args.profile)) if v
+        k: v
+        for k, v in (
+            ("model_path", args.model),
+            ("predictor_path", args.profile),
+            ("max_blocking_ms", args.max_blocking_ms),
+        )
+        if v
     }
     kv_updates = {
         k: v

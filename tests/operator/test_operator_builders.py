@@ -20,6 +20,7 @@ from flowprefill_operator.builders import (
 from flowprefill_operator.builders.common import CONFIG_HASH
 from flowprefill_operator.models import LabelSelector, ServingPoolSpec, SLOClassSpec
 from flowprefill_operator.settings import OperatorSettings
+from pydantic import ValidationError
 
 SETTINGS = OperatorSettings()
 PREFILL = ServingPoolSpec.model_validate(
@@ -103,6 +104,7 @@ def test_prefill_command_config_and_probes() -> None:
         "granularity": "operator",
         "batch_token_budget": 4096,
         "chunk_size": 2048,
+        "max_blocking_ms": None,
         "policy": "s-edf",
         "predictor_path": "/etc/flowprefill/profile/a100.json",
         "tp_size": 1,
@@ -240,6 +242,20 @@ def test_engine_batching_reaches_engine_json() -> None:
     )
     assert build_engine_config(p).batching == "member-headroom"
     assert build_engine_config(PREFILL).batching == "slo-aware"
+
+
+def test_engine_blocking_bound_reaches_engine_json() -> None:
+    def with_engine(**engine: object) -> ServingPoolSpec:
+        wire = PREFILL.wire()
+        return PREFILL.model_validate({**wire, "engine": {**wire["engine"], **engine}})
+
+    # Unset: the engine's per-device default (PREFILL runs on cuda).
+    assert build_engine_config(PREFILL).resolved_max_blocking_ms() == 4.0
+    assert build_engine_config(with_engine(maxBlockingMs=2.5)).resolved_max_blocking_ms() == 2.5
+    off = build_engine_config(with_engine(operatorSplitting=False, maxBlockingMs=2.5))
+    assert off.max_blocking_ms == "off" and off.resolved_max_blocking_ms() is None
+    with pytest.raises(ValidationError, match=r"maxBlockingMs|max_blocking_ms"):
+        with_engine(maxBlockingMs=0)
 
 
 def test_children_are_owned_by_their_pool_and_gateway_by_all_pools() -> None:

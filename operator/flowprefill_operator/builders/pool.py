@@ -58,6 +58,7 @@ def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
         granularity=engine.granularity,
         batch_token_budget=engine.batch_token_budget,
         chunk_size=engine.chunk_size,
+        max_blocking_ms=engine.max_blocking_ms if engine.operator_splitting else "off",
         policy=engine.policy,
         batching=engine.batching,
         predictor_path=f"{PROFILE_DIR}/{profile.key}" if profile else None,

@@ -209,6 +209,19 @@ class EngineSettings(CRModel):
         le=1_048_576,
         description="Chunked-prefill size in tokens; unset = off.",
     )
+    max_blocking_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=10_000,
+        description="Operators predicted to run longer than this between two preemption "
+        "checkpoints are split at run time (operator granularity); unset = the device's "
+        "default (4 on cuda, 25 on cpu).",
+    )
+    operator_splitting: bool = Field(
+        default=True,
+        description="false: operators always run whole (blocking bounded by the longest "
+        "operator only, as in the FlowPrefill paper).",
+    )
     policy: Policy = Field(default="s-edf", description="Scheduling policy (s-edf is FlowPrefill).")
     batching: Batching = Field(
         default="slo-aware",
