@@ -1,7 +1,8 @@
 """``flowprefill bench``: replay a workload against any OpenAI-compatible endpoint.
 
-Reports per-class TTFT attainment, p50/p99 TTFT and goodput (the highest tried rate
-with ≥ 90 % attainment) as a table, a JSON file and a PNG plot.
+Reports per-class TTFT attainment, p50/p99 TTFT, TPOT, TBT attainment (every time between
+tokens within the class's TBT SLO; docs/bench.md) and goodput (the highest tried rate with
+≥ 90 % TTFT attainment) as a table, a JSON file and a PNG plot.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -48,7 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="llama3-8b",
         help="paper model name (Table 2) or a JSON file {class: seconds}",
     )
-    p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every SLO")
+    p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every TTFT SLO")
+    p.add_argument(
+        "--tbt-slo",
+        default="paper",
+        help="time-between-tokens SLO per class: 'paper' (§6.5: text/image 0.1 s, "
+        "search/file 0.2 s; other classes none), seconds for every class, a JSON file "
+        "{class: seconds}, or 'none'",
+    )
     p.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
     p.add_argument("--vocab-size", type=int, default=1000, help="prompt token ids are < this")
     p.add_argument(
@@ -80,6 +89,35 @@ def _slo_table(spec: str) -> dict[str, float]:
             raise InvalidRequestError(f"--slo-table {spec}: expected {{class: seconds > 0}}")
         return {str(k): float(v) for k, v in table.items()}
     return get_slo_table(spec)
+
+
+def _tbt_slos(spec: str, classes: list[str]) -> dict[str, float]:
+    """``--tbt-slo`` as seconds per class (classes without one are left out)."""
+    from flowprefill.contracts.slo import PAPER_TBT_SLOS_S
+
+    if spec == "none":
+        return {}
+    if spec == "paper":
+        return {c: PAPER_TBT_SLOS_S[c] for c in classes if c in PAPER_TBT_SLOS_S}
+    try:
+        seconds = float(spec)
+    except ValueError:
+        pass
+    else:
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise InvalidRequestError(f"--tbt-slo {spec}: expected seconds > 0")
+        return dict.fromkeys(classes, seconds)
+    try:
+        table = json.loads(Path(spec).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InvalidRequestError(
+            f"--tbt-slo {spec}: not 'paper', 'none', seconds or a readable JSON file ({e})"
+        ) from None
+    if not isinstance(table, dict) or not all(
+        isinstance(v, int | float) and v > 0 and math.isfinite(v) for v in table.values()
+    ):
+        raise InvalidRequestError(f"--tbt-slo {spec}: expected {{class: seconds > 0}}")
+    return {str(k): float(v) for k, v in table.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.vllm_priority:
         order = sorted(slo_table, key=lambda c: slo_table[c])
         priorities = {c: i for i, c in enumerate(order)}
+    tbt_slos = _tbt_slos(args.tbt_slo, workload.classes)
     opts = SendOptions(
         url=args.url.rstrip("/"),
         model=model,
@@ -127,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         class_header=args.class_header or None,
         priorities=priorities,
+        tbt_slos_s=tbt_slos,
         seed=args.seed,
     )
     rate_results: dict[float, dict[str, Any]] = {}
@@ -153,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     title = f"{workload.name} against {args.url} (SLO scale {args.slo_scale:g})"
     console.print(table(rate_results, title))
     g = goodput(rate_results)
-    console.print(f"goodput (≥90% attainment): {'-' if g is None else f'{g:g} req/s'}")
+    console.print(f"goodput (≥90% TTFT attainment): {'-' if g is None else f'{g:g} req/s'}")
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     meta = {
         "title": title,
@@ -162,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         "workload": workload.name,
         "slo_table_s": slo_table,
         "slo_scale": args.slo_scale,
+        "tbt_slo_s": tbt_slos,
+        "tbt_rule": "a request meets its TBT SLO when it succeeded and every gap between "
+        "its streamed tokens was within the SLO",
         "length_scale": args.length_scale,
         "max_tokens": args.max_tokens,
     }

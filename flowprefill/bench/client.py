@@ -1,21 +1,26 @@
 """Replaying a workload against an OpenAI-compatible endpoint and timing first tokens.
 
 Each request is sent at its arrival time (open loop: a slow server does not slow the
-arrivals), streamed, and timed at the first content chunk. Prompts are token-id lists of
-the workload's lengths (random ids from a seeded generator), which both vLLM and the
-FlowPrefill gateway accept. The stream asks for OpenAI's closing usage chunk
-(``stream_options.include_usage``), so the time per output token after the first (TPOT)
-is measured on the tokens the server says it generated.
+arrivals) and streamed; the arrival of every chunk that carries a choice is recorded
+(``token_times_s``; vLLM and the FlowPrefill gateway send one token per chunk, and this is
+what ``vllm bench serve`` times as well). The first is the TTFT; the gaps between them are
+the times between tokens (TBT), judged against the class's TBT SLO: a request meets it when
+it succeeded and *every* gap is within the SLO (its largest gap is; docs/bench.md). Prompts
+are token-id lists of the workload's lengths (random ids from a seeded generator), which
+both vLLM and the FlowPrefill gateway accept. The stream asks for OpenAI's closing usage
+chunk (``stream_options.include_usage``), so the time per output token after the first
+(TPOT, a mean) is measured on the tokens the server says it generated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -30,15 +35,35 @@ class Outcome:
     num_tokens: int
     ttft_slo_s: float
     sent_s: float
+    tbt_slo_s: float | None = None
+    """The class's time-between-tokens SLO; None: none is judged for this class."""
     ttft_s: float | None = None
     latency_s: float | None = None
     output_tokens: int | None = None
     status: int = 0
     error: str | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    """When each streamed token arrived, seconds after the request was sent."""
 
     @property
     def met(self) -> bool:
         return self.ttft_s is not None and self.error is None and self.ttft_s <= self.ttft_slo_s
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Times between consecutive tokens (none before the first)."""
+        t = self.token_times_s
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    @property
+    def met_tbt(self) -> bool | None:
+        """Whether every time between tokens was within the TBT SLO, for a request that
+        succeeded (one with a single token has no gap and meets it); None without an SLO."""
+        if self.tbt_slo_s is None:
+            return None
+        if self.error is not None or not self.token_times_s:
+            return False
+        return all(g <= self.tbt_slo_s for g in self.gaps_s)
 
     @property
     def tpot_s(self) -> float | None:
@@ -59,6 +84,8 @@ class SendOptions:
     class_header: str | None = SLO_CLASS_HEADER
     priorities: dict[str, int] | None = None
     """vLLM ``priority`` per class (lower runs first); None sends no priority field."""
+    tbt_slos_s: dict[str, float] = field(default_factory=dict)
+    """Time-between-tokens SLO per class, seconds; a class not named has none."""
     timeout_s: float = 600.0
     seed: int = 0
 
@@ -66,7 +93,14 @@ class SendOptions:
 async def _one(
     client: httpx.AsyncClient, opts: SendOptions, r: Request, prompt: list[int], start: float
 ) -> Outcome:
-    out = Outcome(r.request_id, r.slo_class, r.num_tokens, r.ttft_slo_s, r.arrival_s)
+    out = Outcome(
+        r.request_id,
+        r.slo_class,
+        r.num_tokens,
+        r.ttft_slo_s,
+        r.arrival_s,
+        tbt_slo_s=opts.tbt_slos_s.get(r.slo_class),
+    )
     body: dict[str, object] = {
         "model": opts.model,
         "prompt": prompt,
@@ -98,8 +132,10 @@ async def _one(
                 if "error" in chunk:
                     out.error = str(chunk["error"])[:300]
                     break
-                if out.ttft_s is None and chunk.get("choices"):
-                    out.ttft_s = time.monotonic() - t0
+                if chunk.get("choices"):
+                    out.token_times_s.append(time.monotonic() - t0)
+                    if out.ttft_s is None:
+                        out.ttft_s = out.token_times_s[0]
                 usage = chunk.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                     out.output_tokens = usage["completion_tokens"]

@@ -1,5 +1,12 @@
-"""Bench results: per-class attainment, TTFT and TPOT percentiles, goodput over rates, JSON,
-plot."""
+"""Bench results: per-class TTFT and TBT attainment, TTFT / TPOT / TBT percentiles, goodput
+over rates, JSON, plot.
+
+TTFT attainment: the fraction of requests that succeeded with their first token within the
+class's TTFT SLO (goodput is judged on it, as in the paper). TBT attainment: the fraction
+of requests of a class with a TBT SLO that succeeded with every time between tokens within
+it (:attr:`Outcome.met_tbt`); None where the class has no TBT SLO, or where nothing could
+miss it (no request of the class streamed a second token, none failed).
+"""
 
 from __future__ import annotations
 
@@ -39,8 +46,31 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
             "tpot_p50_s": percentile(tpots, 0.5),
             "tpot_p99_s": percentile(tpots, 0.99),
             "slo_s": os_[0].ttft_slo_s if name != "all" and os_ else None,
+            **tbt_summary(os_, per_class=name != "all"),
         }
     return classes
+
+
+def tbt_attainment(outcomes: list[Outcome]) -> float | None:
+    """Fraction of the requests with a TBT SLO that met it (:attr:`Outcome.met_tbt`);
+    None when none has one, or none could miss it (no gap and no failure)."""
+    judged = [o for o in outcomes if o.tbt_slo_s is not None]
+    if not any(o.gaps_s or o.error is not None for o in judged):
+        return None
+    return sum(bool(o.met_tbt) for o in judged) / len(judged)
+
+
+def tbt_summary(outcomes: list[Outcome], *, per_class: bool = True) -> dict[str, Any]:
+    """TBT SLO and attainment, and the percentiles of every gap between tokens of the
+    requests that succeeded (pooled: a request with more tokens weighs more)."""
+    gaps = [g for o in outcomes if o.error is None for g in o.gaps_s]
+    return {
+        "tbt_slo_s": outcomes[0].tbt_slo_s if per_class and outcomes else None,
+        "tbt_attainment": tbt_attainment(outcomes),
+        "tbt_p50_s": percentile(gaps, 0.5),
+        "tbt_p99_s": percentile(gaps, 0.99),
+        "tbt_max_s": max(gaps) if gaps else None,
+    }
 
 
 def goodput(rate_results: dict[float, dict[str, Any]], target: float = TARGET) -> float | None:
@@ -54,14 +84,17 @@ def table(rate_results: dict[float, dict[str, Any]], title: str) -> Table:
     for col in (
         "rate req/s",
         "class",
-        "SLO ms",
+        "TTFT SLO ms",
         "requests",
         "errors",
-        "attainment",
+        "TTFT attainment",
         "p50 TTFT ms",
         "p99 TTFT ms",
         "p50 TPOT ms",
         "p99 TPOT ms",
+        "TBT SLO ms",
+        "TBT attainment",
+        "p99 TBT ms",
     ):
         t.add_column(col, justify="left" if col == "class" else "right")
 
@@ -70,6 +103,9 @@ def table(rate_results: dict[float, dict[str, Any]], title: str) -> Table:
 
     def ms1(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.1f}"
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
 
     for rate, classes in sorted(rate_results.items()):
         for i, (name, c) in enumerate(classes.items()):
@@ -84,6 +120,9 @@ def table(rate_results: dict[float, dict[str, Any]], title: str) -> Table:
                 ms(c["ttft_p99_s"]),
                 ms1(c.get("tpot_p50_s")),
                 ms1(c.get("tpot_p99_s")),
+                ms(c.get("tbt_slo_s")),
+                pct(c.get("tbt_attainment")),
+                ms1(c.get("tbt_p99_s")),
                 end_section=name == "all",
             )
     return t
@@ -110,23 +149,35 @@ def write(
     }
     json_path = out_dir / "bench.json"
     json_path.write_text(json.dumps(report, indent=2))
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ttft_ax, tbt_ax) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     rates = sorted(rate_results)
     names = [n for n in rate_results[rates[0]] if n != "all"] + ["all"]
-    for name in names:
-        ax.plot(
-            rates,
-            [rate_results[r].get(name, {}).get("attainment", 0) * 100 for r in rates],
-            marker="o",
-            label=name,
-            linewidth=2.5 if name == "all" else 1.2,
-        )
-    ax.axhline(TARGET * 100, color="grey", linestyle="--", linewidth=0.8)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("TTFT SLO attainment (%)")
-    ax.set_ylim(0, 105)
-    ax.set_title(meta.get("title", "TTFT SLO attainment"))
-    ax.legend()
+    # One colour per class in both panels, though a panel may leave a class out.
+    colours = {n: f"C{i}" for i, n in enumerate(names)}
+    for ax, key in ((ttft_ax, "attainment"), (tbt_ax, "tbt_attainment")):
+        for name in names:
+            values = [rate_results[r].get(name, {}).get(key) for r in rates]
+            if all(v is None for v in values):
+                continue  # no SLO of that kind for this class
+            ax.plot(
+                rates,
+                [float("nan") if v is None else v * 100 for v in values],
+                marker="o",
+                color=colours[name],
+                label=name,
+                linewidth=2.5 if name == "all" else 1.2,
+            )
+        ax.axhline(TARGET * 100, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylim(0, 105)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "nothing to judge", ha="center", transform=ax.transAxes)
+    ttft_ax.set_ylabel("SLO attainment (%)")
+    ttft_ax.set_title("TTFT: first token within the class's SLO")
+    tbt_ax.set_title("TBT: every gap between tokens within the SLO")
+    fig.suptitle(meta.get("title", "SLO attainment"))
     fig.tight_layout()
     png_path = out_dir / "attainment.png"
     fig.savefig(png_path, dpi=120)

@@ -24,6 +24,10 @@ PAPER_TTFT_SLOS_S: dict[str, dict[str, float]] = {
     "qwen2.5-14b": {"text": 0.4, "image": 0.8, "search": 6.5, "file": 9.0},
     "llama3-70b": {"text": 1.0, "image": 2.0, "search": 15.0, "file": 18.0},
 }
+PAPER_TBT_SLOS_S: dict[str, float] = {"text": 0.1, "image": 0.1, "search": 0.2, "file": 0.2}
+"""§6.5 (the PD-colocated evaluation): time-between-tokens SLO per task type, seconds, the
+same for every model. ``flowprefill bench`` judges each request's every inter-token gap
+against it (docs/bench.md). Not scaled with the TTFT SLOs."""
 PAPER_PRIORITIES: dict[str, int] = {"text": 30, "image": 20, "search": 10, "file": 0}
 """Priorities of the four task types in the example SLOClasses and ``flowprefill up``."""
 TASK_TYPES = ("text", "image", "search", "file", "other")
