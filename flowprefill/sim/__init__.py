@@ -5,10 +5,11 @@ FlowPrefill with DistServe-like baselines on a GPU cost model built from measure
 operator times, or on this engine's own profile.
 """
 
-from flowprefill.sim.cost import CostModel, GPUCostModel, ProfileCostModel, build_cost_model
+from flowprefill.sim.cost import CostModel, GPUCostModel, build_cost_model
 from flowprefill.sim.driver import Instance, SimResult, Simulation
 from flowprefill.sim.plan import ExecutionPlan, Granularity
 from flowprefill.sim.pool import SimulatedPool
+from flowprefill.sim.profile import ProfileCostModel
 from flowprefill.sim.systems import SYSTEMS, SystemSpec, get_system, run_system
 from flowprefill.sim.workload import Workload, qwen_like, sharegpt_like
 

@@ -107,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="µs each piece added by splitting costs (default 10 on a GPU: a kernel launch "
         "behind the checkpoint's sync; 20 for --profile)",
     )
+    dev.add_argument(
+        "--calibration",
+        default=None,
+        metavar="CSV",
+        help="operator times measured on --gpu (vidur's CSV format, optional `attention` "
+        "column; benchmarks/gpu_validate.py writes one) instead of the A100 profile scaled "
+        "by peak FLOP/s",
+    )
     dev.add_argument("--profile", default=None, help="a `flowprefill profile` JSON to simulate")
     dev.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
     wl = parser.add_argument_group("workload")
@@ -164,6 +172,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         tp_check_s=args.tp_check_us / 1e6,
         profile=args.profile,
         profile_layers=args.profile_layers,
+        calibration=args.calibration,
         split_overhead_s=None if args.split_overhead_us is None else args.split_overhead_us / 1e6,
     )
     workload = WorkloadSpec(

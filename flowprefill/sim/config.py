@@ -20,10 +20,10 @@ from flowprefill.sim.cost import (
     PASS_OVERHEAD_S,
     TP_CHECK_S,
     CostModel,
-    ProfileCostModel,
     build_cost_model,
 )
 from flowprefill.sim.hardware import get_gpu, get_model
+from flowprefill.sim.profile import ProfileCostModel
 from flowprefill.sim.split import CPU_PIECE_OVERHEAD_S, GPU_PIECE_OVERHEAD_S
 from flowprefill.sim.systems import DEFAULT_SYSTEMS, fit_predictor, get_system
 from flowprefill.sim.traces import load_trace
@@ -45,6 +45,12 @@ class CostSpec(BaseModel):
         None, description="A `flowprefill profile` JSON: simulate that engine instead of a GPU."
     )
     profile_layers: int = Field(4, description="Layers to split a profiled pass into.")
+    calibration: str | None = Field(
+        None,
+        description="A CSV of operator times measured on `gpu` (vidur format, optional "
+        "`attention` column; docs/simulator.md): used instead of the A100 profile scaled by "
+        "peak FLOP/s.",
+    )
     split_overhead_s: float | None = Field(
         None,
         description="What each piece added by operator splitting costs beyond its compute; "
@@ -67,6 +73,7 @@ class CostSpec(BaseModel):
             pass_overhead_s=self.pass_overhead_s,
             tp_check_s=self.tp_check_s,
             split_overhead_s=GPU_PIECE_OVERHEAD_S if overhead is None else overhead,
+            calibration=self.calibration,
         )
 
     def predictor(self, cost: CostModel, max_blocking_s: float | None = None) -> TTFTPredictor:
@@ -77,6 +84,11 @@ class CostSpec(BaseModel):
         return fit_predictor(cost, max_blocking_s=max_blocking_s)
 
     def validate_names(self) -> None:
+        if self.profile is not None and self.calibration is not None:
+            raise InvalidRequestError(
+                "--calibration (measured GPU operator times) and --profile (this engine's "
+                "CPU profile) are two different cost models: give one"
+            )
         if self.profile is None:
             get_model(self.model)
             get_gpu(self.gpu)

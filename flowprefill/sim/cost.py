@@ -20,8 +20,9 @@ Two models:
   collective: flowprefill/tp/agreement.py). :mod:`.plan` charges it per checkpoint of
   the granularity in use (5 per layer at operator level, 1 at layer level, none between
   chunks).
-* :class:`ProfileCostModel` — the engine's own ``flowprefill profile`` fit
-  (:class:`~flowprefill.predictor.model.TTFTPredictor`), for simulating this CPU engine.
+* :class:`~flowprefill.sim.profile.ProfileCostModel` — the engine's own ``flowprefill
+  profile`` fit (:class:`~flowprefill.predictor.model.TTFTPredictor`), for simulating
+  this CPU engine (:mod:`.profile`).
 
 Both also price run-time operator splitting (:meth:`CostModel.split_pass_cost`, the
 engine's ``max_blocking_ms``; :mod:`.split`).
@@ -30,15 +31,16 @@ engine's ``max_blocking_ms``; :mod:`.split`).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from flowprefill.errors import InvalidRequestError, UnknownNameError
-from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.sim.hardware import (
     GPUS,
     MODELS,
@@ -49,13 +51,7 @@ from flowprefill.sim.hardware import (
     get_gpu,
     get_model,
 )
-from flowprefill.sim.split import (
-    CPU_PIECE_OVERHEAD_S,
-    GPU_PIECE_OVERHEAD_S,
-    attention_pieces,
-    even_pieces,
-    gemm_pieces,
-)
+from flowprefill.sim.split import GPU_PIECE_OVERHEAD_S, attention_pieces, gemm_pieces
 from flowprefill.sim.vidur import VIDUR_OPS, load_tables
 
 SEGMENTS = ("qkv_proj", "attention", "o_proj", "gate_up", "down_proj")
@@ -149,6 +145,18 @@ def _op_scale(model: ModelShape, ref: ModelShape) -> dict[str, float]:
     }
 
 
+def _check_calibration_shape(shape: dict[str, int], source: str) -> None:
+    """A calibration must be of the reference model (every model is scaled from it)."""
+    ref = MODELS[REFERENCE_MODEL]
+    for name, value in shape.items():
+        if getattr(ref, name) != value:
+            raise InvalidRequestError(
+                f"--calibration {source}: measured with {name} = {value}, but the simulator "
+                f"scales every model from {REFERENCE_MODEL}'s ({name} = {getattr(ref, name)}); "
+                "calibrate with a model of that shape"
+            )
+
+
 class GPUCostModel:
     """Operator times of ``model`` at TP ``tp`` on ``gpu`` (see the module docstring)."""
 
@@ -162,8 +170,9 @@ class GPUCostModel:
         pass_overhead_s: float = PASS_OVERHEAD_S,
         tp_check_s: float = TP_CHECK_S,
         split_overhead_s: float = GPU_PIECE_OVERHEAD_S,
+        calibration: str | None = None,
     ) -> None:
-        tables = load_tables()
+        tables = load_tables(calibration)
         tp = model.default_tp if tp is None else tp
         if tp not in tables:
             raise UnknownNameError("tensor-parallel degree", str(tp), [str(t) for t in tables])
@@ -184,10 +193,19 @@ class GPUCostModel:
         self.max_context_tokens = model.max_context_tokens
         self.attn_efficiency = attn_efficiency
         self.pass_overhead_s = pass_overhead_s
-        ref_gpu = GPUS[REFERENCE_GPU]
-        self.compute_speedup = gpu.peak_bf16_flops / ref_gpu.peak_bf16_flops
-        table = tables[tp]
-        scale = _op_scale(model, MODELS[REFERENCE_MODEL])
+        ref, table = MODELS[REFERENCE_MODEL], tables[tp]
+        if calibration is None:
+            self.compute_speedup = gpu.peak_bf16_flops / GPUS[REFERENCE_GPU].peak_bf16_flops
+        else:  # measured on this GPU: no scaling by peak FLOP/s
+            _check_calibration_shape(table.shape, calibration)
+            self.compute_speedup = 1.0
+            self.name += f"/calibrated:{Path(calibration).name}"
+        self._measured_attention = table if table.attention_ms is not None else None
+        # Measured attention is per GPU with the reference model's heads at this TP.
+        self._attention_scale = (max(1, model.num_heads // tp) * model.head_dim) / (
+            max(1, ref.num_heads // tp) * ref.head_dim
+        )
+        scale = _op_scale(model, ref)
         ms = {op: table.times_ms[op] * scale[op] for op in VIDUR_OPS}
         add = ms["add"]
         # Segment arrays in seconds on the reference GPU, by table.num_tokens.
@@ -239,7 +257,10 @@ class GPUCostModel:
         return ring * self.model.hidden_size * 2 / self.gpu.nvlink_bytes_per_s
 
     def attention_s(self, segments: Sequence[Segment]) -> float:
-        """One layer's attention over all segments: FLOPs + KV re-read of prefixes."""
+        """One layer's attention over all segments: FLOPs (or the calibration's measured
+        attention) + KV re-read of prefixes."""
+        if self._measured_attention is not None:
+            return sum(sum(self._segment_attention_s(c, p)) for c, p in segments)
         pairs = 0.0
         prefix_tokens = 0
         for c, p in segments:
@@ -248,6 +269,18 @@ class GPUCostModel:
         flops = 4.0 * self._heads * self.model.head_dim * pairs
         reread_s = prefix_tokens * self._kv_bytes / self.gpu.hbm_bytes_per_s
         return flops * self._attn_flop_s + reread_s
+
+    def _segment_attention_s(self, new: int, prefix: int) -> tuple[float, float]:
+        """(compute, KV re-read) seconds of one request's attention in one layer. Measured
+        attention (a calibration) is of a prefill with no cache: a segment costs what it
+        costs at the token count with as many causal query-key pairs, ``sqrt(2cp + c²)``."""
+        pairs = new * prefix + new * new / 2
+        if self._measured_attention is None:
+            compute = 4.0 * self._heads * self.model.head_dim * pairs * self._attn_flop_s
+        else:
+            ms = self._measured_attention.attention_time_ms(math.sqrt(2 * pairs))
+            compute = 1e-3 * ms * self._attention_scale
+        return compute, self._reread_s(prefix)
 
     def _reread_s(self, prefix_tokens: int) -> float:
         return prefix_tokens * self._kv_bytes / self.gpu.hbm_bytes_per_s
@@ -272,8 +305,7 @@ class GPUCostModel:
             if whole.op_s[i] <= b:
                 return (whole.op_s[i],)
             if i == 1:
-                pair_s = 4.0 * self._heads * self.model.head_dim * self._attn_flop_s
-                return attention_pieces(segments, pair_s, self._reread_s, b, extra)
+                return attention_pieces(segments, self._segment_attention_s, b, extra)
             tail = comm if i in (2, 4) else 0.0
             column = i if i else 1  # _compute's columns: emb, qkv, o_proj, gate_up, down_proj
             return gemm_pieces(lambda m: self._compute(m)[column], n, b, extra, tail_s=tail)
@@ -301,74 +333,6 @@ class GPUCostModel:
         return float((per_pass / self._xs).min())
 
 
-class ProfileCostModel:
-    """The engine's measured ``poly(n)`` (a ``flowprefill profile`` JSON) as a cost model.
-
-    A pass costs ``a + Σ_r [poly(p_r + c_r) − poly(p_r)]`` over its requests ``r`` (``c_r``
-    new tokens after ``p_r`` cached ones; ``a`` = the fit's constant term): the engine packs
-    a batch into one row and runs attention per request segment, so the linear work adds
-    up and each request brings its own quadratic term. One request from scratch costs
-    exactly ``predict_s(n)``. The pass is split evenly into ``num_layers`` × 5
-    checkpointed segments (the profile has no per-operator times).
-    """
-
-    checkpoint_s = 0.0
-    """The profiled engine runs on one device: a checkpoint is a flag read, in the profile."""
-
-    def __init__(
-        self,
-        predictor: TTFTPredictor,
-        *,
-        num_layers: int = 4,
-        max_tokens: int = 0,
-        split_overhead_s: float = CPU_PIECE_OVERHEAD_S,
-    ):
-        if num_layers < 1:
-            raise InvalidRequestError(f"--profile-layers must be ≥ 1, got {num_layers}")
-        self.predictor = predictor
-        self.split_overhead_s = split_overhead_s
-        self.num_layers = num_layers
-        self.name = f"profile:{predictor.model or 'engine'}@{predictor.hardware or 'cpu'}"
-        self.max_context_tokens = max_tokens or max(predictor.max_tokens * 8, 32768)
-        self._coef = list(predictor.coefficients)
-
-    def _poly(self, n: float) -> float:
-        acc = 0.0
-        for c in reversed(self._coef):
-            acc = acc * n + c
-        return acc
-
-    def pass_cost(self, segments: Sequence[Segment]) -> PassCost:
-        poly = self._poly
-        total = self._coef[0] + sum(poly(p + c) - poly(p) for c, p in segments)
-        total = max(total, self.predictor.min_latency_s)
-        op = total / (5 * self.num_layers)
-        return PassCost(0.0, (op,) * 5, self.num_layers)
-
-    def split_pass_cost(self, segments: Sequence[Segment], max_blocking_s: float) -> PassCost:
-        """Equal pieces (the profile's work is linear in rows and in query-key pairs, so a
-        piece costs its share), ``split_overhead_s`` per added piece."""
-        return split_evenly(self.pass_cost(segments), max_blocking_s, self.split_overhead_s)
-
-    def ideal_cost_s(self, num_tokens: int) -> float:
-        return max(self._poly(num_tokens) - self._coef[0], 0.0)
-
-
-def split_evenly(cost: PassCost, max_blocking_s: float, overhead_s: float) -> PassCost:
-    """``cost`` with every segment longer than the bound cut into ``ceil(t / b)`` equal
-    pieces (:func:`~flowprefill.sim.split.even_pieces`): for cost models without a
-    finer per-operator model."""
-    if max(cost.op_s, default=0.0) <= max_blocking_s:
-        return cost
-    split = [even_pieces(t, max_blocking_s, overhead_s) for t in cost.op_s]
-    return PassCost(
-        cost.pre_s,
-        tuple(t for pieces in split for t in pieces),
-        cost.num_layers,
-        tuple(len(pieces) for pieces in split),
-    )
-
-
 def build_cost_model(
     model: str,
     gpu: str,
@@ -378,8 +342,10 @@ def build_cost_model(
     pass_overhead_s: float = PASS_OVERHEAD_S,
     tp_check_s: float = TP_CHECK_S,
     split_overhead_s: float = GPU_PIECE_OVERHEAD_S,
+    calibration: str | None = None,
 ) -> GPUCostModel:
-    """By name; unknown model or GPU names raise UnknownNameError listing the known ones."""
+    """By name; unknown model or GPU names raise UnknownNameError listing the known ones.
+    ``calibration``: a CSV of operator times measured on ``gpu`` (:mod:`.vidur`)."""
     return GPUCostModel(
         get_model(model),
         get_gpu(gpu),
@@ -388,4 +354,5 @@ def build_cost_model(
         pass_overhead_s=pass_overhead_s,
         tp_check_s=tp_check_s,
         split_overhead_s=split_overhead_s,
+        calibration=calibration,
     )

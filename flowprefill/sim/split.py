@@ -19,9 +19,15 @@ piece instead of one whole operator:
   to ``b``, with a checkpoint between stretches.
 * Operators predicted within ``b`` run whole: a short prompt's plan is the unsplit one.
 
-Every added piece pays ``overhead_s`` on top of its own compute (an extra kernel behind a
-checkpoint; see :data:`GPU_PIECE_OVERHEAD_S`). Splitting happens at operator granularity
-only (the engine's rule); the plan (:mod:`.plan`) puts a checkpoint after every piece.
+A split operator also *begins* with a checkpoint (the engine's ``Packer.split_start``:
+what ran since the last checkpoint — norms, RoPE — must not share a stretch with a full
+piece). Between two segments that checkpoint coincides with the operator-level one, but at
+the start of a pass it is the first checkpoint after the embedding, so a signal during the
+pass's prologue waits for the prologue only, not for a piece as well. A split segment is
+therefore a zero-length stretch followed by its ``k`` pieces: ``k`` added checkpoints,
+each paying ``overhead_s`` (its sync exposes the next kernel's launch; see
+:data:`GPU_PIECE_OVERHEAD_S`). Splitting happens at operator granularity only (the
+engine's rule); the plan (:mod:`.plan`) puts a checkpoint after every stretch.
 
 Not modelled: the per-pass overhead and the embedding before the first layer are not
 split (neither is in a decoder layer), and under tensor parallelism the all-reduce after
@@ -38,11 +44,11 @@ MIN_ROWS = 16
 """Smallest tile or attention block, as the engine's ``splitting.MIN_ROWS``."""
 
 GPU_PIECE_OVERHEAD_S = 10e-6
-"""What one added piece costs on a GPU beyond its kernels' own time. The engine's default
+"""What one checkpoint added by splitting costs on a GPU. The engine's default
 ``every_check`` sync (flowprefill/executor/device.py) waits for the stream at every
 checkpoint, so the next piece's first kernel launch is exposed: CUDA launch latency is
 ~5 µs and a stream-sync round trip a few µs more on A100/H100. The vidur operator times
-are kernel times (no launch gaps), so this is charged per *added* piece only; the
+are kernel times (no launch gaps), so this is charged per *added* checkpoint only; the
 unsplit operator-level checkpoints are not charged (as before; paper §6.4: negligible).
 ``--split-overhead-us``."""
 
@@ -78,19 +84,17 @@ def gemm_pieces(
     *,
     tail_s: float = 0.0,
 ) -> tuple[float, ...]:
-    """Pieces of a row-wise segment over ``num_tokens`` rows: ``time_at(m)`` is its time
-    at ``m`` rows; ``tail_s`` (an all-reduce after the whole linear) joins the last piece.
-    Within the bound: one piece, ``time_at(num_tokens) + tail_s``."""
+    """Stretches of a row-wise segment over ``num_tokens`` rows: ``time_at(m)`` is its
+    time at ``m`` rows; ``tail_s`` (an all-reduce after the whole linear) joins the last
+    tile. Within the bound: one, ``time_at(num_tokens) + tail_s``; split: the leading
+    zero-length stretch, then each tile plus ``overhead_s``."""
     whole = time_at(num_tokens)
     k = num_pieces(whole, bound_s)
     if k == 1 or num_tokens < 2 * MIN_ROWS:
         return (whole + tail_s,)
-    times = [time_at(m) for m in tile_sizes(num_tokens, k)]
-    if len(times) == 1:
-        return (whole + tail_s,)
-    out = [times[0], *(t + overhead_s for t in times[1:])]
+    out = [time_at(m) + overhead_s for m in tile_sizes(num_tokens, k)]
     out[-1] += tail_s
-    return tuple(out)
+    return (0.0, *out)
 
 
 def attention_blocks(new: int, prefix: int, pair_budget: float) -> list[float]:
@@ -112,27 +116,31 @@ def attention_blocks(new: int, prefix: int, pair_budget: float) -> list[float]:
 
 def attention_pieces(
     segments: Sequence[tuple[int, int]],
-    pair_s: float,
-    reread_s: Callable[[int], float],
+    segment_s: Callable[[int, int], tuple[float, float]],
     bound_s: float,
     overhead_s: float,
 ) -> tuple[float, ...]:
-    """Stretches of one layer's attention over ``(new, prefix)`` segments: ``pair_s`` per
-    query-key pair, ``reread_s(prefix)`` for a request's cached KV (shared among its blocks
-    in proportion to their pairs: FlashAttention streams the keys once per query tile
-    anyway, so blocks of ≥ 128 rows add no HBM traffic). Whole requests and blocks are
-    grouped greedily into stretches within ``bound_s`` (the engine's ``attention_plan``);
-    each stretch after the first pays ``overhead_s``."""
+    """Stretches of one layer's attention over ``(new, prefix)`` segments;
+    ``segment_s(new, prefix)`` is a whole request's (compute, KV re-read) seconds. A
+    request over the bound is cut into blocks of query rows priced at its own time per
+    query-key pair; the re-read is shared among its blocks in proportion to their pairs
+    (FlashAttention streams the keys once per query tile anyway, so blocks of ≥ 128 rows
+    add no HBM traffic). Whole requests and blocks are packed greedily into stretches
+    within ``bound_s`` (the engine's ``Packer``); a checkpoint before each stretch after
+    the first — and, when a request is cut into blocks, a leading one (zero-length
+    stretch) — each adding ``overhead_s``."""
     pieces: list[float] = []
+    split = False
     for c, p in segments:
-        pairs = c * p + c * c / 2
-        whole = pairs * pair_s + reread_s(p)
-        if whole <= bound_s or c < 2 * MIN_ROWS:
-            pieces.append(whole)
+        compute, reread = segment_s(c, p)
+        if compute + reread <= bound_s or c < 2 * MIN_ROWS:
+            pieces.append(compute + reread)
             continue
-        share = reread_s(p) / pairs if pairs > 0 else 0.0
-        pieces.extend(q * (pair_s + share) for q in attention_blocks(c, p, bound_s / pair_s))
-    stretches: list[float] = []
+        split = True
+        pairs = c * p + c * c / 2
+        pair_s = (compute + reread) / pairs
+        pieces.extend(q * pair_s for q in attention_blocks(c, p, bound_s * pairs / compute))
+    stretches: list[float] = [0.0] if split else []
     used = math.inf
     for t in pieces:
         if used + t > bound_s:
@@ -144,9 +152,10 @@ def attention_pieces(
 
 
 def even_pieces(time_s: float, bound_s: float, overhead_s: float) -> tuple[float, ...]:
-    """A segment with no finer cost model (the profiled CPU engine, test models):
-    ``ceil(t / b)`` equal pieces, each after the first paying ``overhead_s``."""
+    """A segment with no finer cost model (the profiled CPU engine, test models): the
+    leading zero-length stretch, then ``ceil(t / b)`` equal pieces, each paying
+    ``overhead_s``."""
     k = num_pieces(time_s, bound_s)
     if k == 1:
         return (time_s,)
-    return (time_s / k, *((time_s / k + overhead_s,) * (k - 1)))
+    return (0.0, *((time_s / k + overhead_s,) * k))

@@ -8,7 +8,8 @@ import pytest
 
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.request import Request
-from flowprefill.sim.cost import PassCost, Segment, split_evenly
+from flowprefill.sim.cost import PassCost, Segment
+from flowprefill.sim.profile import split_evenly
 
 
 class ToyCost:

@@ -8,7 +8,8 @@ import pytest
 
 from flowprefill.errors import InvalidRequestError, UnknownNameError
 from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.sim.cost import TP_CHECK_S, ProfileCostModel, build_cost_model
+from flowprefill.sim.cost import TP_CHECK_S, build_cost_model
+from flowprefill.sim.profile import ProfileCostModel
 from flowprefill.sim.vidur import load_tables
 
 

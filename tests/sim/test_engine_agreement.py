@@ -31,8 +31,9 @@ from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.request import Request, Task
 from flowprefill.scheduler.core import CommandKind, Scheduler, SchedulerOutput
 from flowprefill.scheduler.round import Arrival, Completion, Event, run_round
-from flowprefill.sim.cost import PassCost, Segment, split_evenly
+from flowprefill.sim.cost import PassCost, Segment
 from flowprefill.sim.driver import Simulation
+from flowprefill.sim.profile import split_evenly
 from flowprefill.sim.systems import build_instance, get_system
 from flowprefill.sim.workload import qwen_like
 

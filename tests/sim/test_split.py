@@ -15,9 +15,10 @@ from flowprefill.executor.splitting import row_tiles
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.request import Request, Task
 from flowprefill.sim import cli
-from flowprefill.sim.cost import ProfileCostModel, build_cost_model
+from flowprefill.sim.cost import build_cost_model
 from flowprefill.sim.plan import ExecutionPlan, Granularity
 from flowprefill.sim.pool import SimulatedPool
+from flowprefill.sim.profile import ProfileCostModel
 from flowprefill.sim.split import GPU_PIECE_OVERHEAD_S, MIN_ROWS, tile_sizes
 from flowprefill.sim.systems import SYSTEMS, build_instance, fit_predictor, run_system
 from flowprefill.sim.vidur import load_tables
@@ -29,6 +30,8 @@ ATTN, GATE_UP = 1, 3
 
 
 def segment_pieces(pc_pieces: tuple[int, ...], op_s: tuple[float, ...]) -> list[list[float]]:
+    """The stretches of each segment; a split one starts with a zero-length stretch (the
+    engine's checkpoint before a split operator)."""
     out, i = [], 0
     for k in pc_pieces:
         out.append(list(op_s[i : i + k]))
@@ -36,23 +39,33 @@ def segment_pieces(pc_pieces: tuple[int, ...], op_s: tuple[float, ...]) -> list[
     return out
 
 
+def work(pieces: list[float]) -> list[float]:
+    """A split segment's pieces of work (without the leading checkpoint)."""
+    assert len(pieces) > 1 and pieces[0] == 0.0
+    return pieces[1:]
+
+
 @pytest.mark.parametrize("bound_ms", [1.0, 2.0, 4.0, 8.0])
 def test_a_32k_attention_is_split_into_pieces_within_the_bound(bound_ms: float) -> None:
     b = bound_ms / 1e3
     whole = A100.pass_cost([(32768, 0)])
     split = A100.split_pass_cost([(32768, 0)], b)
-    attn = segment_pieces(split.pieces, split.op_s)[ATTN]
+    attn = work(segment_pieces(split.pieces, split.op_s)[ATTN])
     assert whole.op_s[ATTN] > 40e-3  # the long operator the split is for
     # ceil(t / b) blocks; whole rows fill each block a little under b, so maybe one more.
     assert math.ceil(whole.op_s[ATTN] / b) <= len(attn) <= math.ceil(whole.op_s[ATTN] / b) + 1
     assert max(attn) <= b + OVERHEAD + 1e-12
-    # The same FLOPs, plus one launch per added piece.
-    assert sum(attn) == pytest.approx(whole.op_s[ATTN] + (len(attn) - 1) * OVERHEAD, rel=1e-9)
+    # The same FLOPs, plus one exposed launch per added checkpoint (one before each piece).
+    assert sum(attn) == pytest.approx(whole.op_s[ATTN] + len(attn) * OVERHEAD, rel=1e-9)
     # Every GEMM segment over the bound is split too, ceil(t / b) tiles.
     for i, pieces in enumerate(segment_pieces(split.pieces, split.op_s)):
-        if i != ATTN:
-            assert len(pieces) == (math.ceil(whole.op_s[i] / b) if whole.op_s[i] > b else 1)
+        if i != ATTN and whole.op_s[i] > b:
+            assert len(work(pieces)) == math.ceil(whole.op_s[i] / b)
+        elif i != ATTN:
+            assert pieces == [whole.op_s[i]]
     assert split.num_added_checkpoints == 32 * (len(split.op_s) - 5)
+    # Per split segment: its k pieces' checkpoints, one of them the leading one.
+    assert split.num_added_checkpoints == 32 * sum(k - 1 for k in split.pieces if k > 1)
 
 
 def test_gemm_tiles_cost_the_profile_at_the_tile_size() -> None:
@@ -60,7 +73,7 @@ def test_gemm_tiles_cost_the_profile_at_the_tile_size() -> None:
     rows, each the vidur time at that many tokens — not a ninth of the whole."""
     b = 4e-3
     split = A100.split_pass_cost([(32768, 0)], b)
-    tiles = segment_pieces(split.pieces, split.op_s)[GATE_UP]
+    tiles = work(segment_pieces(split.pieces, split.op_s)[GATE_UP])
     sizes = tile_sizes(32768, 9)
     assert sizes == [3641] * 8 + [3640]
     t = load_tables()[1]
@@ -68,8 +81,7 @@ def test_gemm_tiles_cost_the_profile_at_the_tile_size() -> None:
         1e-3 * (t.time_ms("post_attention_layernorm", m) + t.time_ms("mlp_up_proj", m))
         for m in sizes
     ]
-    assert tiles[0] == pytest.approx(per_tile[0], rel=1e-12)
-    assert tiles[1:] == pytest.approx([x + OVERHEAD for x in per_tile[1:]], rel=1e-12)
+    assert tiles == pytest.approx([x + OVERHEAD for x in per_tile], rel=1e-12)
     whole = A100.pass_cost([(32768, 0)]).op_s[GATE_UP]
     assert sum(tiles) != pytest.approx(whole, rel=1e-3)  # smaller GEMMs are priced as such
 
@@ -108,13 +120,14 @@ def test_a_preempt_inside_a_split_attention_waits_at_most_one_piece() -> None:
     pool.submit(task)
     plan = pool.plan(task)
     p = plan.passes[0]
-    q = p.pieces[0]  # attention's first piece is op_s[q]
-    # Half-way through the second piece of layer 3's attention.
-    into = p.pre_s + 3 * p.layer_s + sum(p.op_s[: q + 1]) + 0.5 * p.op_s[q + 1]
+    q = p.pieces[0]  # attention's stretches start at op_s[q]: the leading checkpoint, blocks
+    assert p.op_s[q] == 0.0
+    # Half-way through the second block of layer 3's attention.
+    into = p.pre_s + 3 * p.layer_s + sum(p.op_s[: q + 2]) + 0.5 * p.op_s[q + 2]
     pool.advance_to(into)
     outcome = pool.preempt(task)
     assert outcome.parked
-    assert outcome.blocking_s == pytest.approx(0.5 * p.op_s[q + 1], rel=1e-9)
+    assert outcome.blocking_s == pytest.approx(0.5 * p.op_s[q + 2], rel=1e-9)
     assert outcome.blocking_s < b
     unsplit = ExecutionPlan.build(A100, [32768], granularity=Granularity.OPERATOR)
     unsplit_park = unsplit.next_checkpoint_s(into)
@@ -126,10 +139,8 @@ def test_tp_all_reduce_runs_once_after_the_last_tile_and_checkpoints_pay_agreeme
     n, b = 32768, 4e-3
     whole = tp4.pass_cost([(n, 0)])
     split = tp4.split_pass_cost([(n, 0)], b)
-    o_proj = segment_pieces(split.pieces, split.op_s)[2]
-    assert len(o_proj) > 1
-    tiles = [tp4._compute(m)[2] for m in tile_sizes(n, len(o_proj))]
-    expected = [tiles[0], *(t + OVERHEAD for t in tiles[1:])]
+    o_proj = work(segment_pieces(split.pieces, split.op_s)[2])
+    expected = [tp4._compute(m)[2] + OVERHEAD for m in tile_sizes(n, len(o_proj))]
     expected[-1] += tp4.allreduce_s(n)  # the whole all-reduce rides on the last tile, once
     assert o_proj == pytest.approx(expected, rel=1e-12)
     plain_plan = ExecutionPlan.build(tp4, [n], granularity=Granularity.OPERATOR)
@@ -146,10 +157,10 @@ def test_the_profiled_cpu_engine_splits_evenly_with_a_dispatch_cost() -> None:
     cost = ProfileCostModel(TTFTPredictor.linear(per_token_s=1e-3), num_layers=2)
     whole = cost.pass_cost([(1000, 0)])  # 10 segments of 0.1 s
     split = cost.split_pass_cost([(1000, 0)], 0.03)
-    assert split.pieces == (4,) * 5
+    assert split.pieces == (5,) * 5  # a leading checkpoint and 4 pieces per segment
     first = segment_pieces(split.pieces, split.op_s)[0]
-    assert first == pytest.approx([0.025] + [0.025 + cost.split_overhead_s] * 3)
-    assert split.total_s == pytest.approx(whole.total_s + 2 * 5 * 3 * cost.split_overhead_s)
+    assert first == pytest.approx([0.0] + [0.025 + cost.split_overhead_s] * 4)
+    assert split.total_s == pytest.approx(whole.total_s + 2 * 5 * 4 * cost.split_overhead_s)
 
 
 def test_tiles_are_cut_like_the_engines_row_tiles() -> None:
