@@ -1,0 +1,98 @@
+"""benchmarks/gpu_validate.py on CPU with the tiny model and --quick: every section runs,
+the outputs exist and are sane, and the calibration CSV parses with the simulator's reader.
+(The GPU run it exists for is described in docs/gpu.md.)"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from flowprefill.sim import vidur
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sections: the gpuval package
+    spec = importlib.util.spec_from_file_location(
+        "gpu_validate", ROOT / "benchmarks" / "gpu_validate.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_quick_cpu_run_writes_sane_results_and_a_calibration_the_simulator_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = load_script(monkeypatch)
+    threads = torch.get_num_threads()
+    argv = ["--device", "cpu", "--model", "tiny", "--quick", "--threads", "1"]
+    try:
+        # A generous budget: on a loaded CI machine nothing should be skipped for time.
+        rc = script.main([*argv, "--budget-s", "240", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    sections = results["sections"]
+    assert list(sections) == ["checks", "prefill", "blocking", "operators", "urgent"]
+    assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(sections, "ok")
+    assert all(s["elapsed_s"] >= 0 for s in sections.values())
+    assert results["device"]["type"] == "cpu" and results["model"]["layers"] == 4
+    arms = results["arms"]
+    assert arms[:3] == ["none", "layer", "operator"] and "operator/on_preempt" not in arms
+
+    checks = {c["name"]: c for c in sections["checks"]["checks"]}
+    stream_checks = [
+        c for c in checks.values() if "stream" in c["name"] or "on_preempt" in c["name"]
+    ]
+    assert stream_checks and all(c["status"] == "skipped" for c in stream_checks)
+    assert all("CPU" in c["detail"] for c in stream_checks)
+    assert checks["preempted + resumed prefill is bit-identical"]["status"] == "ok"
+    assert checks["checkpoints passed = expected_checkpoints"]["status"] == "ok"
+    assert checks["executor logits match the plain forward"]["status"] == "ok"
+
+    rows = sections["prefill"]["rows"]
+    assert {(r["tokens"], r["arm"]) for r in rows} == {
+        (n, arm) for n in (64, 256, 1024) for arm in ["plain", *arms]
+    }
+    for row in rows:
+        assert row["runs"] == 2 and 0 < row["min_ms"] <= row["median_ms"]
+        assert math.isfinite(row["overhead_vs_plain_pct"]) and row["tflops"] > 0
+        assert row["mfu_pct"] is None  # no peak on CPU
+
+    blocking = {r["granularity"]: r for r in sections["blocking"]["rows"]}
+    assert {"layer", "operator"} <= set(blocking)
+    for row in blocking.values():
+        assert row["samples"] > 0
+        assert 0 <= row["p50_ms"] <= row["max_ms"] and row["mean_ms"] <= row["max_ms"]
+
+    ops = sections["operators"]
+    assert ops["parsed_by_simulator"] and ops["parsed_token_counts"] == [1, 16, 64, 256, 1024]
+    path = tmp_path / ops["csv"]
+    header = next(csv.reader(path.open()))
+    for op in vidur.VIDUR_OPS:
+        assert f"time_stats.{op}.median" in header
+    assert {"num_tokens", "num_tensor_parallel_workers"} <= set(header)
+    operators = importlib.import_module("gpuval.operators")
+    table = operators.parse_with_simulator(path)[1]  # flowprefill.sim.vidur's own parser
+    assert list(table.num_tokens) == [1, 16, 64, 256, 1024]
+    assert all(table.time_ms(op, 100) > 0 for op in vidur.VIDUR_OPS)
+
+    urgent = {r["arm"]: r for r in sections["urgent"]["rows"]}
+    fcfs, sedf = urgent["fcfs / operator"], urgent["s-edf / operator"]
+    assert fcfs["preemptions"] == 0 and sedf["preemptions"] >= 1
+    # Preempting at an operator boundary beats waiting for the whole long prefill.
+    assert sedf["urgent_ttft_ms"] < fcfs["urgent_ttft_ms"]
