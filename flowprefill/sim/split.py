@@ -53,7 +53,7 @@ unsplit operator-level checkpoints are not charged (as before; paper §6.4: negl
 ``--split-overhead-us``."""
 
 CPU_PIECE_OVERHEAD_S = 20e-6
-"""The same for the profiled CPU engine (:class:`~flowprefill.sim.cost.ProfileCostModel`):
+"""The same for the profiled CPU engine (:class:`~flowprefill.sim.profile.ProfileCostModel`):
 one more torch operator dispatch (~10 µs) and checkpoint call (~3 µs per hook call,
 docs/executor.md "Cost of the checkpoints"). Tiling itself costs nothing measurable on
 CPU: tiles of 64–1024 rows of a 256→768 linear ran no slower than the whole 2048-row
