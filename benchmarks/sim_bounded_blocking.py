@@ -28,9 +28,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,7 +39,6 @@ from tqdm import tqdm
 
 from flowprefill.sim.cli import max_blocking_ms
 from flowprefill.sim.config import CostSpec, SweepConfig, WorkloadSpec
-from flowprefill.sim.cost import GPUCostModel, PassCost, Segment
 from flowprefill.sim.search import highest_passing
 from flowprefill.sim.sweep import Evaluator
 from flowprefill.sim.systems import get_system
@@ -62,7 +59,6 @@ class Row:
     arm: str
     bound_ms: float | None
     overhead_us: float | None
-    first_layer_checkpoint: bool
     goodput_rps: float
     ref_rate_rps: float
     blocking_mean_ms: float
@@ -121,16 +117,12 @@ class Arm:
     bound_ms: float | None
     overhead_us: float | None = None
     """Per added checkpoint; None: the cost model's default (10 µs)."""
-    first_layer_checkpoint: bool = False
-    """What-if, not the engine: a checkpoint before the first decoder layer too."""
 
     @property
     def label(self) -> str:
         text = "none" if self.bound_ms is None else f"{self.bound_ms:g} ms"
         if self.overhead_us is not None:
             text += f", {self.overhead_us:g} µs/checkpoint"
-        if self.first_layer_checkpoint:
-            text += " + checkpoint before layer 0 (what-if)"
         return text
 
 
@@ -147,44 +139,18 @@ def config(workload: WorkloadSpec, arm: Arm, tol: float) -> SweepConfig:
     )
 
 
-@contextmanager
-def first_layer_checkpoint(enabled: bool) -> Iterator[None]:
-    """What-if: every split pass also gets a checkpoint before its first decoder layer
-    (a zero-length stretch first in the layer, where none is yet), so a preempt signalled
-    during the pass's prologue waits for the per-pass overhead and the embedding only."""
-    if not enabled:
-        yield
-        return
-    original = GPUCostModel.split_pass_cost
-
-    def split(self: GPUCostModel, segments: Sequence[Segment], max_blocking_s: float) -> PassCost:
-        pc = original(self, segments, max_blocking_s)
-        if pc.op_s[0] == 0.0:
-            return pc
-        pieces = pc.pieces or (1,) * len(pc.op_s)
-        return PassCost(pc.pre_s, (0.0, *pc.op_s), pc.num_layers, (pieces[0] + 1, *pieces[1:]))
-
-    GPUCostModel.split_pass_cost = split  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        GPUCostModel.split_pass_cost = original  # type: ignore[method-assign]
-
-
 def goodput_job(job: tuple[SweepConfig, Arm]) -> float:
-    cfg, arm = job
-    with first_layer_checkpoint(arm.first_layer_checkpoint):
-        ev = Evaluator(cfg)
-        spec = get_system(SYSTEM)
-        return highest_passing(
-            lambda r: ev.passes(spec, r, 1.0), guess=ev.bound_rps() / 4, rel_tol=cfg.rel_tol
-        )
+    cfg, _arm = job
+    ev = Evaluator(cfg)
+    spec = get_system(SYSTEM)
+    return highest_passing(
+        lambda r: ev.passes(spec, r, 1.0), guess=ev.bound_rps() / 4, rel_tol=cfg.rel_tol
+    )
 
 
 def detail_job(job: tuple[str, SweepConfig, Arm, float, float]) -> Row:
     name, cfg, arm, goodput, hi_rate = job
-    with first_layer_checkpoint(arm.first_layer_checkpoint):
-        return _detail(name, cfg, arm, goodput, hi_rate)
+    return _detail(name, cfg, arm, goodput, hi_rate)
 
 
 def _detail(name: str, cfg: SweepConfig, arm: Arm, goodput: float, hi_rate: float) -> Row:
@@ -215,7 +181,6 @@ def _detail(name: str, cfg: SweepConfig, arm: Arm, goodput: float, hi_rate: floa
         arm=arm.label,
         bound_ms=arm.bound_ms,
         overhead_us=arm.overhead_us,
-        first_layer_checkpoint=arm.first_layer_checkpoint,
         goodput_rps=goodput,
         ref_rate_rps=ev.reference_rate(),
         blocking_mean_ms=ref.blocking_mean_ms,
@@ -257,11 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         default=50.0,
         help="also run the 4 ms bound with this cost per added checkpoint (0: skip)",
     )
-    ap.add_argument(
-        "--no-what-if",
-        action="store_true",
-        help="skip the 4 ms arm with a checkpoint before the first layer",
-    )
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-plot", action="store_true")
@@ -278,8 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         arms.append(unsplit)  # the reference is always needed
     if args.sensitivity_us > 0:
         arms.append(Arm(4.0, overhead_us=args.sensitivity_us))
-    if not args.no_what_if:
-        arms.append(Arm(4.0, first_layer_checkpoint=True))
     workloads = ("paper", "long")
     keys = [(w, arm) for w in workloads for arm in arms]
     cfgs = {(w, arm): config(workload_spec(w, args, out), arm, args.tolerance) for w, arm in keys}
@@ -376,11 +334,7 @@ def plot(rows: list[Row], path: Path) -> None:
     none_x = 1.5 * max(finite) if finite else 1.0
     for w, marker in (("paper", "o"), ("long", "s")):
         sel = sorted(
-            (
-                r
-                for r in rows
-                if r.workload == w and r.overhead_us is None and not r.first_layer_checkpoint
-            ),
+            (r for r in rows if r.workload == w and r.overhead_us is None),
             key=lambda r: none_x if r.bound_ms is None else r.bound_ms,
         )
         xs = [none_x if r.bound_ms is None else r.bound_ms for r in sel]

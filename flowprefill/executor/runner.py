@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import DynamicCache, PreTrainedModel
 
 from flowprefill.contracts.names import Granularity, Kernels
@@ -172,6 +173,7 @@ class PreemptibleExecutor:
         self._split_policy: SplitPolicy | None = None
         self._trace: list[Event] = []
         self._recorder: TraceRecorder | None = None
+        self._entry_hooks: list[RemovableHandle] = []
         if max_blocking_ms is not None and granularity is Granularity.OPERATOR:
             try:
                 self._install_splitting(model, max_blocking_ms, split_rates)
@@ -199,6 +201,16 @@ class PreemptibleExecutor:
                 next(model.parameters()).dtype,
                 lambda: self.backend.synchronize(None),
             )
+        # A checkpoint at the entry of every decoder layer: the first layer's is the only
+        # one after the embedding (a pass's prologue no longer shares a stretch with layer
+        # 0's first operators); the others fall right after down_proj's and cost a call.
+        boundary = hooked(self._on_boundary)
+
+        def entry(_module: torch.nn.Module, _args: object) -> None:
+            boundary()
+
+        layers = find_decoder_layers(model)[1]
+        self._entry_hooks = [layer.register_forward_pre_hook(entry) for layer in layers]
         # The order of operators and hooks in one forward, for expected_checkpoints.
         self._recorder = TraceRecorder()
         try:
@@ -236,6 +248,7 @@ class PreemptibleExecutor:
         spans = chunk_spans(sum(prompt_lengths), self.chunk_size)
         total = len(spans) * self.num_checkpoints_per_forward + (len(spans) - 1)
         if self._split_policy is not None:
+            total += len(spans) * len(self._entry_hooks)
             starts = [sum(prompt_lengths[:i]) for i in range(len(prompt_lengths))]
             for start, end in spans:
                 segments = chunk_segments(starts, prompt_lengths, start, end)
@@ -390,6 +403,9 @@ class PreemptibleExecutor:
         """Remove the checkpoint hooks, split operators and fast linears and restore the
         model's attention implementation."""
         self._handle.remove()
+        for hook in self._entry_hooks:
+            hook.remove()
+        self._entry_hooks.clear()
         self._split.remove()  # before the fast linears: it wraps their forward
         self._linears.remove()
         if self.model.config._attn_implementation != self._original_attention:

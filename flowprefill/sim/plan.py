@@ -133,7 +133,9 @@ class ExecutionPlan:
         bound = max_blocking_s if granularity is Granularity.OPERATOR else None
         passes = tuple(
             with_checkpoints(
-                cost.pass_cost(seg) if bound is None else cost.split_pass_cost(seg, bound),
+                cost.pass_cost(seg)
+                if bound is None
+                else with_layer_entry(cost.split_pass_cost(seg, bound)),
                 granularity,
                 cost.checkpoint_s,
             )
@@ -192,3 +194,12 @@ class ExecutionPlan:
         if self.total_s <= 0:
             return 1.0
         return min(1.0, max(0.0, elapsed_s / self.total_s))
+
+
+def with_layer_entry(pc: PassCost) -> PassCost:
+    """The engine's checkpoint at the entry of every decoder layer when it splits
+    (flowprefill/executor/runner.py): a zero-length stretch first in each layer. Only the
+    first layer's matters for blocking — it ends the pass's prologue (per-pass overhead and
+    embedding), which otherwise shares a stretch with layer 0's first segment."""
+    pieces = pc.pieces or (1,) * len(pc.op_s)
+    return PassCost(pc.pre_s, (0.0, *pc.op_s), pc.num_layers, (pieces[0] + 1, *pieces[1:]))

@@ -18,7 +18,7 @@ from tests.tp.conftest import tp_config
 from tests.tp.harness import Task, assert_same, prompts, ranks_agree
 from tests.tp.test_equivalence import assert_close_to_tp1
 
-TIGHT_MS = 0.05
+TIGHT_MS = 0.0005  # 0.5 µs: every operator of these prompts splits at any measured speed
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3-moe"])
