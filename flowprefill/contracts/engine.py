@@ -53,10 +53,13 @@ tiles of token rows) so an urgent arrival waits at most about this long (docs/ex
 "Bounded blocking"). The paper's operator-level blocking is mean 2.6 ms, max < 4.5 ms on
 A100; the simulator meets max <= 4.5 ms with this bound (docs/simulator.md)."""
 
-DEFAULT_MAX_BLOCKING_MS_CPU = 25.0
-"""The CPU default: a CPU runs the same operator ~100x slower than a GPU, and pieces short
-enough for 4 ms would be a few rows each (slow kernels); at 25 ms the 8K-token prefill of
-demo-llama loses < 2 % throughput (benchmarks/bounded_blocking.py, docs/executor.md)."""
+DEFAULT_MAX_BLOCKING_MS_CPU = 100.0
+"""The CPU default. A CPU runs the same operator ~100x slower than a GPU, and its flash
+attention kernel loses efficiency on blocks of few query rows (over 8K keys, 1 thread:
+100-row blocks cost 1.36x, 256-row 1.06x, 512-row 1.04x one big block); at 100 ms the
+blocks of an 8K-token demo-llama prompt are ~400-800 rows. Blocking at 8K tokens falls
+from ~1.4 s unsplit to ~0.2-0.3 s (benchmarks/bounded_blocking.py, docs/executor.md; not
+yet measured on a quiet machine)."""
 
 OFF: Literal["off"] = "off"
 

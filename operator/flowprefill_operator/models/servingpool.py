@@ -215,7 +215,7 @@ class EngineSettings(CRModel):
         le=10_000,
         description="Operators predicted to run longer than this between two preemption "
         "checkpoints are split at run time (operator granularity); unset = the device's "
-        "default (4 on cuda, 25 on cpu).",
+        "default (4 on cuda, 100 on cpu).",
     )
     operator_splitting: bool = Field(
         default=True,
