@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -43,6 +44,7 @@ from flowprefill.contracts import (
     Policy,
     Router,
     SLOTable,
+    SLOTableClass,
 )
 from flowprefill.contracts.deployment import (
     DECODE_PORT,
@@ -59,9 +61,14 @@ from flowprefill.contracts.processes import (
     prefill_process,
 )
 from flowprefill.contracts.processes import decode_env as process_decode_env
+from flowprefill.contracts.slo import PAPER_PRIORITIES, TASK_TYPES
 from flowprefill.errors import FlowPrefillError, UnknownNameError
 
 SCALE_AT_TOKENS = 1024
+DECODE_THREADS = 1
+"""OpenMP threads per decode instance on this machine (``--decode-threads``)."""
+DECODE_NICE = 10
+"""Niceness of decode processes on this machine (``--decode-nice``)."""
 N = TypeVar("N", bound=Name)
 LOOPBACK = "127.0.0.1"
 
@@ -75,6 +82,9 @@ class Child:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     """Environment of this machine on top of the process's own (caches, offline mode)."""
+    nice: int = 0
+    """Niceness added to the process (and everything it starts): lower CPU priority when
+    it competes for this machine's cores with the other children."""
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -94,6 +104,7 @@ class Child:
             # The user's environment may override what the process description sets.
             env={**self.process.env, **os.environ, **self.env},
             start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
+            preexec_fn=_niceness(self.nice),
         )
 
     def alive(self) -> bool:
@@ -120,6 +131,16 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def _niceness(nice: int) -> Callable[[], None] | None:
+    if nice <= 0:
+        return None
+
+    def lower_priority() -> None:  # in the child, before exec: inherited by its children
+        os.nice(nice)
+
+    return lower_priority
 
 
 def name_arg(enum: type[N]) -> Callable[[str], N]:
@@ -205,6 +226,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--routing", default=Router.SLACK_AWARE, type=name_arg(Router), choices=list(Router)
     )
     p.add_argument("--profile", help="TTFT profile JSON (profiled once at start when absent)")
+    p.add_argument(
+        "--slo-table",
+        help="TTFT SLO per class instead of the paper's scaled to this machine: a JSON file "
+        "{class: seconds} (the file `flowprefill bench --slo-table` reads; the paper's four "
+        "classes keep their priorities) or a slo-table.json",
+    )
     p.add_argument("--run-dir", help="where configs, logs and KV hand-offs go")
     p.add_argument(
         "--tp",
@@ -218,6 +245,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="torch threads per prefill rank (default with --tp N: this machine's cores / N)",
+    )
+    p.add_argument(
+        "--decode-threads",
+        type=int,
+        default=DECODE_THREADS,
+        help="OpenMP threads of each vLLM decode instance; they share this machine's cores "
+        "with prefill (docs/stack.md)",
+    )
+    p.add_argument(
+        "--decode-nice",
+        type=int,
+        default=DECODE_NICE,
+        help="niceness of the decode processes: when they compete with prefill for the "
+        "cores, the first token comes first (0: equal priority; docs/stack.md)",
     )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument(
@@ -233,6 +274,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def slo_table(scale: float) -> SLOTable:
     """The paper's four classes (Table 2, Llama-3-8B) scaled to this machine."""
     return SLOTable.paper(scale=scale)
+
+
+def load_slo_table(path: str | Path) -> SLOTable:
+    """``--slo-table``: a slo-table.json, or ``{class: seconds}`` as ``flowprefill bench``
+    reads it (classes ordered most urgent first: the paper's priorities where the name is
+    one of its task types, then by SLO; the first is the default class)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FlowPrefillError(f"--slo-table {path}: {e}") from None
+    if isinstance(data, dict) and "classes" in data:
+        return SLOTable.model_validate(data)
+    if not (
+        isinstance(data, dict)
+        and data
+        and all(isinstance(v, int | float) and 0 < v < math.inf for v in data.values())
+    ):
+        raise FlowPrefillError(f"--slo-table {path}: expected {{class: seconds > 0}}")
+    order = sorted(data, key=lambda c: (-PAPER_PRIORITIES.get(c, -1), data[c], c))
+    classes = [
+        SLOTableClass(
+            name=name,
+            task_type=name if name in TASK_TYPES else "other",
+            ttft_slo_ms=max(1, round(float(data[name]) * 1e3)),
+            priority=PAPER_PRIORITIES.get(name, 0),
+            attainment_target=0.9,
+        )
+        for name in order
+    ]
+    return SLOTable(default_class=order[0], classes=classes)
 
 
 def machine_scale(predict_s_1k: float) -> float:
@@ -302,11 +373,30 @@ def decode_spec(
     )
 
 
-def decode_env(run_dir: Path) -> dict[str, str]:
-    """Environment of a decode process on this machine: what the process description asks
-    for on a CPU host (the user's environment wins), caches, offline mode."""
+def shared_cores_env(threads: int) -> dict[str, str]:
+    """OpenMP settings of a vLLM process that shares this machine's cores with prefill.
+
+    ``threads`` OpenMP threads, not pinned (vLLM pins one thread to every core by default,
+    so decode would hold every core prefill runs on), that sleep when a parallel region
+    ends instead of spinning: libgomp's default spins for 300,000 iterations (milliseconds)
+    after each region, and a decode step is many short regions with Python between them,
+    so the spinning threads took a core from prefill for as long as anything decoded
+    (docs/stack.md, "Where time to first token went")."""
     return {
-        **{k: os.environ.get(k, v) for k, v in process_decode_env(cpu=True).items()},
+        "OMP_NUM_THREADS": str(threads),
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+
+
+def decode_env(run_dir: Path, threads: int = DECODE_THREADS) -> dict[str, str]:
+    """Environment of a decode process on this machine: what the process description asks
+    for on a CPU host, the OpenMP settings of a process sharing the cores with prefill
+    (:func:`shared_cores_env`; the user's environment wins over both), caches, offline
+    mode."""
+    wanted = {**process_decode_env(cpu=True), **shared_cores_env(threads)}
+    return {
+        **{k: os.environ.get(k, v) for k, v in wanted.items()},
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
         **OFFLINE_ENV,
@@ -363,9 +453,9 @@ def plan_stack(
         cache = kv_dir if args.kv_transport is KVTransport.SHARED_DIR else run_dir / f"kv-cache-{i}"
         process = decode_spec(model_dir, port, cache, transport=args.kv_transport)
         decode_eps.append(Endpoint.at("decode", LOOPBACK, port))
-        children.append(
-            Child(f"decode-{i}", process, run_dir / "logs" / f"decode-{i}.log", decode_env(run_dir))
-        )
+        log = run_dir / "logs" / f"decode-{i}.log"
+        env = decode_env(run_dir, args.decode_threads)
+        children.append(Child(f"decode-{i}", process, log, env, nice=args.decode_nice))
     gateway_cfg = GatewayConfig(
         service="local",
         model_name=args.model,
@@ -418,8 +508,10 @@ def run(args: argparse.Namespace) -> int:
         with build_backend(measured) as backend:
             predictor = quick_profile(backend, console, model_name=args.model)
         predictor.save(profile)
-    scale = machine_scale(predictor.predict_s(SCALE_AT_TOKENS))
-    table = slo_table(scale)
+    if args.slo_table:
+        table = load_slo_table(args.slo_table)
+    else:
+        table = slo_table(machine_scale(predictor.predict_s(SCALE_AT_TOKENS)))
     plan = plan_stack(args, model_dir, profile, table, run_dir)
     for name, text in plan.files.items():
         (run_dir / name).write_text(text)

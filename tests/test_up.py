@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -163,3 +165,80 @@ def test_tp_outside_what_the_engine_serves_is_refused_before_anything_starts(
     assert f"argument --tp: '{value}' is not a tensor-parallel degree" in err
     assert "1 to 8 ranks per instance" in err
     assert not any(tmp_path.iterdir())
+
+
+def _children(tmp_path: Path, *flags: str) -> dict[str, Any]:
+    import argparse
+
+    from flowprefill.contracts import SLOTable
+    from flowprefill.up import add_arguments, plan_stack
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(list(flags))
+    plan = plan_stack(args, tmp_path / "m", tmp_path / "p.json", SLOTable.paper(), tmp_path)
+    return {c.name: c for c in plan.children}
+
+
+def test_decode_yields_the_shared_cores_to_prefill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one machine decode runs one unpinned OpenMP thread that sleeps when idle, at a
+    lower CPU priority; prefill and the gateway keep their defaults (docs/stack.md)."""
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    children = _children(tmp_path)
+    decode = children["decode-0"]
+    assert decode.nice == 10
+    assert {k: decode.env[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")} == {
+        "OMP_NUM_THREADS": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
+    assert decode.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    for name in ("prefill-0", "gateway"):
+        assert children[name].nice == 0 and "OMP_WAIT_POLICY" not in children[name].env
+    tuned = _children(tmp_path, "--decode-threads", "2", "--decode-nice", "0")["decode-0"]
+    assert (tuned.env["OMP_NUM_THREADS"], tuned.nice) == ("2", 0)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's environment wins
+    assert _children(tmp_path)["decode-0"].env["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_a_nice_child_and_its_children_run_at_lower_priority(tmp_path: Path) -> None:
+    from flowprefill.contracts.names import Role
+    from flowprefill.contracts.processes import ProcessSpec
+    from flowprefill.up import Child
+
+    script = "import os, subprocess, sys; print(os.getpriority(os.PRIO_PROCESS, 0)); " + (
+        "sys.stdout.flush(); subprocess.run([sys.executable, '-c', "
+        "'import os; print(os.getpriority(os.PRIO_PROCESS, 0))'])"
+    )
+    spec = ProcessSpec(Role.DECODE, (sys.executable,), ("-c", script), 0, "/")
+    child = Child("decode-0", spec, tmp_path / "log", nice=5)
+    child.start()
+    assert child.proc is not None and child.proc.wait(30) == 0
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert child.log_path.read_text().split() == [str(min(19, base + 5))] * 2
+
+
+def test_slo_table_file_replaces_the_scaled_paper_table(tmp_path: Path) -> None:
+    from flowprefill.errors import FlowPrefillError
+    from flowprefill.up import load_slo_table
+
+    seconds = tmp_path / "slo.json"
+    seconds.write_text(json.dumps({"file": 3.0, "search": 2.0, "text": 0.125, "batch": 9}))
+    table = load_slo_table(seconds)
+    assert [(c.name, c.ttft_slo_ms, c.priority) for c in table.classes] == [
+        ("text", 125, 30),
+        ("search", 2000, 10),
+        ("file", 3000, 0),
+        ("batch", 9000, 0),
+    ]
+    assert table.default_class == "text"
+    assert table.classes[-1].task_type == "other"
+    full = tmp_path / "slo-table.json"
+    full.write_text(table.model_dump_json())
+    assert load_slo_table(full) == table
+    for bad in ("{}", '{"text": 0}', '{"text": "fast"}', "[1]", "not json"):
+        seconds.write_text(bad)
+        with pytest.raises(FlowPrefillError, match="--slo-table"):
+            load_slo_table(seconds)
