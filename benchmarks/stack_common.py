@@ -144,6 +144,74 @@ class Server:
         return out
 
 
+def up_server(
+    name: str,
+    model_dir: Path,
+    profile: Path,
+    out: Path,
+    extra: list[str],
+    tree: Path | None = None,
+) -> Server:
+    """``flowprefill up`` of this checkout, or of another one at ``tree`` (e.g. a
+    ``git worktree`` of an earlier commit: the "before" of a change, in the same run)."""
+    # up's prefill and decode listen at +100 and +200 from the gateway's port.
+    while True:
+        port = free_port()
+        if port + 200 < 65536 and all(_is_free(port + d) for d in (100, 200)):
+            break
+
+    args = [a for a in extra if "=" not in a or a.startswith("--")]
+    env = dict(a.split("=", 1) for a in extra if "=" in a and not a.startswith("--"))
+    cmd = [
+        sys.executable, "-m", "flowprefill.cli", "up", "--model", str(model_dir),
+        "--profile", str(profile), "--port", str(port), "--run-dir", str(out / f"{name}-run"),
+        *args,
+    ]  # fmt: skip
+    return Server(
+        name,
+        cmd,
+        ready_url=f"http://127.0.0.1:{port}/ready",
+        base_url=f"http://127.0.0.1:{port}",
+        log=out / f"{name}.log",
+        env=env,
+        cwd=tree,
+        metrics_urls={
+            "gateway": f"http://127.0.0.1:{port}",
+            "prefill": f"http://127.0.0.1:{port + 100}",
+        },
+        ready_text="is up",
+    )
+
+
+def _is_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def vllm_server(name: str, model_dir: Path, out: Path, extra: list[str] | None = None) -> Server:
+    """vLLM's OpenAI server alone on this model with this machine's settings (float32,
+    eager: ``flowprefill.up.vllm_server_command``) and vLLM's own defaults otherwise;
+    ``extra``: more vLLM flags."""
+    from flowprefill.up import OFFLINE_ENV, vllm_server_command
+
+    port = free_port()
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(out / "vllm-cache"), **OFFLINE_ENV}
+    return Server(
+        name,
+        vllm_server_command(model_dir, port, extra=extra),
+        ready_url=f"http://127.0.0.1:{port}/health",
+        base_url=f"http://127.0.0.1:{port}",
+        log=out / "vllm.log",
+        env=env,
+    )
+
+
 def wait_all(servers: list[Server], timeout_s: float = 900.0) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(servers)

@@ -24,7 +24,6 @@ import argparse
 import json
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,10 +33,11 @@ from rich.table import Table
 from stack_common import (
     Server,
     cpu_delta,
-    free_port,
     hop_means_ms,
     scrape_all,
+    up_server,
     vllm_bench_serve,
+    vllm_server,
     wait_all,
 )
 
@@ -48,70 +48,6 @@ METRICS = (
     ("mean_tpot_ms", "TPOT mean"),
     ("median_tpot_ms", "TPOT p50"),
 )
-
-
-def up_server(
-    name: str,
-    model_dir: Path,
-    profile: Path,
-    out: Path,
-    extra: list[str],
-    tree: Path | None = None,
-) -> Server:
-    """``flowprefill up`` of this checkout, or of another one at ``tree`` (e.g. a
-    ``git worktree`` of an earlier commit: the "before" of a change, in the same run)."""
-    # up's prefill and decode listen at +100 and +200 from the gateway's port.
-    while True:
-        port = free_port()
-        if port + 200 < 65536 and all(_is_free(port + d) for d in (100, 200)):
-            break
-
-    args = [a for a in extra if "=" not in a or a.startswith("--")]
-    env = dict(a.split("=", 1) for a in extra if "=" in a and not a.startswith("--"))
-    cmd = [
-        sys.executable, "-m", "flowprefill.cli", "up", "--model", str(model_dir),
-        "--profile", str(profile), "--port", str(port), "--run-dir", str(out / f"{name}-run"),
-        *args,
-    ]  # fmt: skip
-    return Server(
-        name,
-        cmd,
-        ready_url=f"http://127.0.0.1:{port}/ready",
-        base_url=f"http://127.0.0.1:{port}",
-        log=out / f"{name}.log",
-        env=env,
-        cwd=tree,
-        metrics_urls={
-            "gateway": f"http://127.0.0.1:{port}",
-            "prefill": f"http://127.0.0.1:{port + 100}",
-        },
-        ready_text="is up",
-    )
-
-
-def _is_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def vllm_server(model_dir: Path, port: int, out: Path) -> Server:
-    from flowprefill.up import OFFLINE_ENV, vllm_server_command
-
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(out / "vllm-cache"), **OFFLINE_ENV}
-    return Server(
-        "vllm",
-        vllm_server_command(model_dir, port),
-        ready_url=f"http://127.0.0.1:{port}/health",
-        base_url=f"http://127.0.0.1:{port}",
-        log=out / "vllm.log",
-        env=env,
-    )
 
 
 def main() -> None:
@@ -152,7 +88,7 @@ def main() -> None:
         if system == "flowprefill":
             servers.append(up_server(system, model_dir, profile, out, []))
         elif system == "vllm":
-            servers.append(vllm_server(model_dir, free_port(), out))
+            servers.append(vllm_server("vllm", model_dir, out))
         else:
             raise SystemExit(f"unknown system {system!r} (flowprefill, vllm; --variant for more)")
     if args.before_tree:

@@ -1,260 +1,436 @@
-"""FlowPrefill stack vs vLLM alone vs our stack with FCFS: same model, same workload.
+"""Goodput of the whole stack against vLLM alone on the paper's mixed workload, on this CPU.
 
-Systems (one run, one seeded QwenTrace-like workload, prompt lengths scaled down for a
-CPU, SLOs = the paper's Llama-3-8B targets scaled by this machine's measured prefill speed
-against an A100 — the scale is printed):
+Systems, same model, all started at once and measured interleaved (one probe each in turn,
+the order rotating), so that other jobs on this machine load them alike:
 
 * ``flowprefill``: ``flowprefill up`` (S-EDF, operator-level preemption, SLO-aware
-  batching) with one prefill and one vLLM decode instance;
-* ``flowprefill-fcfs``: the same stack with ``--policy fcfs`` (no preemption);
-* ``vllm-priority-cp2k``: one vLLM server alone, ``--scheduling-policy priority``,
-  chunked prefill with 2048-token chunks, each request's ``priority`` from its class
-  (tightest SLO first).
+  batching), one prefill and one vLLM decode instance, its SLO table = the one judged;
+* ``flowprefill-fcfs``: the same stack with ``--policy fcfs`` (optional);
+* ``vllm``: one vLLM server alone, ``--scheduling-policy priority``, chunked prefill with
+  chunks of ``2048 × length scale`` tokens (the paper's CP2K, scaled with the prompts), and
+  each request's ``priority`` from its class (tightest SLO first).
 
-Every system gets the same arrivals at each rate (``flowprefill bench``); goodput is the
-highest tried rate with ≥ 90 % TTFT attainment. Needs the ``decode`` extra (vLLM).
+Workload: QwenTrace-like (the paper's Table 1 lengths × ``--length-scale``, Table 2's
+Llama-3-8B SLOs × an SLO scale), Poisson arrivals, one seeded workload per seed.
+**Scale**: the SLO scale is chosen so that a mean search prompt's prefill over the text
+SLO is what it is for Llama-3-8B on an A100 (the simulator's GPU cost model) — on this
+CPU, this engine's fitted profile; both ratios are printed. Goodput = the highest rate
+with ≥ 90 % of all requests within their class's TTFT SLO, found per system and seed by
+bisection on the rate (``benchmarks/stack_bisect.py``) to ``--precision``. Writes
+``summary.json``, every probe, and ``attainment.png`` (per-class attainment against the
+rate) into ``--out``.
 
-    python benchmarks/stack_vs_vllm.py [--rates 0.5,1,2,4] [--num-requests 60]
+    python benchmarks/stack_vs_vllm.py [--quick] [--seeds 0,1,2] [--duration 40]
+        [--precision 0.1] [--systems flowprefill,flowprefill-fcfs,vllm]
+
+A probe replays ``--duration`` seconds of arrivals (at least ``--min-requests``): the
+seed's first requests, so a faster rate sends more of the same sequence and every probe
+lasts about as long (a probe of a fixed count at a high rate ends before queues reach
+their steady state). Needs the ``decode`` extra (vLLM). ``--quick``: one seed, 20 s per
+probe, 30 % precision, no FCFS stack (about 8 minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import os
-import signal
-import subprocess
+import math
+import statistics
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from stack_bisect import Bisection, Probe, plot_attainment
+from stack_common import Server, up_server, vllm_server, wait_all
 
-ROOT = Path(__file__).resolve().parents[1]
+if TYPE_CHECKING:
+    from flowprefill.predictor.model import TTFTPredictor
+    from flowprefill.sim.workload import Workload
 
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited during start-up; see {log}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(url)
+CHUNK_TOKENS_PAPER = 2048
+"""The paper's CP2K baseline: 2K-token chunks at full prompt lengths."""
+VOCAB = 30000
+MAX_PROMPT_TOKENS = 7680
+"""Prompt cap: vLLM's max model length here is 8192, less the output tokens."""
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        # `flowprefill up` stops its own children in order; vLLM's engine core is in the
-        # server's process group.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+@dataclass(frozen=True)
+class Calibration:
+    """How the workload is scaled to this machine (see the module docstring)."""
+
+    length_scale: float
+    slo_scale: float
+    a100_search_s: float
+    cpu_search_s: float
+    search_tokens: int
+    cpu_search_tokens: int
+    text_slo_s: float
+
+    @property
+    def paper_ratio(self) -> float:
+        return self.a100_search_s / self.text_slo_s
+
+    @property
+    def cpu_ratio(self) -> float:
+        return self.cpu_search_s / (self.text_slo_s * self.slo_scale)
 
 
-def run_bench(
-    url: str, out: Path, args: argparse.Namespace, slo_file: Path, vllm_priority: bool, model: str
-) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "flowprefill.cli",
-        "bench",
-        "--url",
-        url,
-        "--model",
-        model,
-        "--workload",
-        "qwen-like",
-        "--num-requests",
-        str(args.num_requests),
-        "--rates",
-        args.rates,
-        "--length-scale",
-        str(args.length_scale),
-        "--max-prompt-tokens",
-        "4000",
-        "--max-tokens",
-        str(args.max_tokens),
-        "--vocab-size",
-        "30000",
-        "--slo-table",
-        str(slo_file),
-        "--seed",
-        str(args.seed),
-        "--out",
-        str(out),
-        # Prompts are scaled down, so is the time they need: scale the SLOs alike.
-        "--slo-scale",
-        str(args.length_scale),
-    ]
-    if vllm_priority:
-        cmd += ["--vllm-priority", "--class-header", ""]
-    subprocess.run(cmd, check=True)
-    return json.loads((out / "bench.json").read_text())
+def calibrate(predictor: TTFTPredictor, length_scale: float) -> Calibration:
+    from flowprefill.contracts.slo import paper_ttft_slos_s
+    from flowprefill.sim.cost import build_cost_model
+    from flowprefill.sim.workload import QWEN_TYPES
+
+    search = round(next(t.mean for t in QWEN_TYPES if t.name == "search"))
+    a100_s = build_cost_model("llama3-8b", "a100").pass_cost([(search, 0)]).total_s
+    cpu_tokens = round(search * length_scale)
+    cpu_s = predictor.predict_s(cpu_tokens)
+    return Calibration(
+        length_scale=length_scale,
+        slo_scale=cpu_s / a100_s,  # search prefill / text SLO equal on both
+        a100_search_s=a100_s,
+        cpu_search_s=cpu_s,
+        search_tokens=search,
+        cpu_search_tokens=cpu_tokens,
+        text_slo_s=paper_ttft_slos_s()["text"],
+    )
+
+
+def ratio_table(cal: Calibration, predictor: TTFTPredictor, slos_s: dict[str, float]) -> Table:
+    """Mean prompt's prefill / class SLO, A100 vs here, per task type."""
+    from flowprefill.contracts.slo import paper_ttft_slos_s
+    from flowprefill.sim.cost import build_cost_model
+    from flowprefill.sim.workload import QWEN_TYPES
+
+    a100 = build_cost_model("llama3-8b", "a100")
+    paper = paper_ttft_slos_s()
+    t = Table(title="prefill of the mean prompt / SLO: Llama-3-8B on A100 vs this CPU")
+    for col in ("class", "A100 tokens", "ms", "SLO ms", "ratio", "here tokens", "ms", "SLO ms"):
+        t.add_column(col, justify="right")
+    t.add_column("ratio", justify="right")
+    for task in QWEN_TYPES:
+        n = round(task.mean)
+        a_s = a100.pass_cost([(n, 0)]).total_s
+        m = round(n * cal.length_scale)
+        c_s = predictor.predict_s(m)
+        t.add_row(
+            task.name,
+            str(n),
+            f"{a_s * 1e3:.0f}",
+            f"{paper[task.name] * 1e3:.0f}",
+            f"{a_s / paper[task.name]:.2f}",
+            str(m),
+            f"{c_s * 1e3:.0f}",
+            f"{slos_s[task.name] * 1e3:.0f}",
+            f"{c_s / slos_s[task.name]:.2f}",
+        )
+    t.caption = (
+        f"search prefill / text SLO: A100 {cal.paper_ratio:.2f}, here {cal.cpu_ratio:.2f} "
+        f"(length scale {cal.length_scale:g}, SLO scale {cal.slo_scale:.3f})"
+    )
+    return t
+
+
+def make_requests(workload: Workload, rate: float, length_scale: float) -> list[Any]:
+    reqs = workload.requests(rate)
+    for r in reqs:
+        r.num_tokens = max(1, min(MAX_PROMPT_TOKENS, round(r.num_tokens * length_scale)))
+    return reqs
+
+
+def probe_requests(workload: Workload, rate: float, args: argparse.Namespace) -> list[Any]:
+    """The seed's first ``max(min_requests, rate × duration)`` requests at ``rate``."""
+    n = max(args.min_requests, math.ceil(rate * args.duration))
+    return make_requests(workload.head(n), rate, args.length_scale)
+
+
+def run_probe(
+    server: Server,
+    model: str,
+    workload: Workload,
+    rate: float,
+    seed: int,
+    args: argparse.Namespace,
+    progress: Progress,
+    slos_s: dict[str, float],
+) -> Probe:
+    from flowprefill.bench.client import SendOptions, replay
+    from flowprefill.bench.report import summarize
+
+    vllm = server.name.startswith("vllm")
+    order = sorted(slos_s, key=lambda c: slos_s[c])
+    opts = SendOptions(
+        url=server.base_url,
+        model=model,
+        max_tokens=args.max_tokens,
+        vocab_size=VOCAB,
+        class_header=None if vllm else "x-slo-class",
+        priorities={c: i for i, c in enumerate(order)} if vllm else None,
+        seed=seed,
+    )
+    reqs = probe_requests(workload, rate, args)
+    bar = progress.add_task(f"  {server.name} seed {seed} @ {rate:.3g} req/s", total=len(reqs))
+    t0 = time.monotonic()
+    # round_index from the rate: the same (seed, rate) sends the same prompts to every
+    # system, and no server sees a prompt twice (vLLM's prefix cache would skip it).
+    outcomes = asyncio.run(
+        replay(reqs, opts, lambda _: progress.advance(bar), round_index=round(rate * 1e4))
+    )
+    progress.remove_task(bar)
+    classes = summarize(outcomes)
+    return Probe(rate, classes["all"]["attainment"], classes, time.monotonic() - t0)
+
+
+def warm_up(server: Server, model: str, lengths: list[int]) -> None:
+    """A few prompts of growing length, one at a time: the first hand-off through the
+    connector and the first pass at each size pay one-time costs."""
+    for i, n in enumerate(lengths):
+        prompt = [(7 * i + j) % VOCAB + 1 for j in range(n)]
+        body = {"model": model, "prompt": prompt, "max_tokens": 4}
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+
+
+def build_servers(
+    args: argparse.Namespace, model_dir: Path, profile: Path, slo_file: Path, out: Path
+) -> list[Server]:
+    servers = []
+    chunk = max(64, round(CHUNK_TOKENS_PAPER * args.length_scale))
+    for system in args.systems.split(","):
+        if system == "flowprefill":
+            servers.append(
+                up_server(system, model_dir, profile, out, ["--slo-table", str(slo_file)])
+            )
+        elif system == "flowprefill-fcfs":
+            extra = ["--slo-table", str(slo_file), "--policy", "fcfs"]
+            servers.append(up_server(system, model_dir, profile, out, extra))
+        elif system == "vllm":
+            extra = [
+                "--scheduling-policy", "priority", "--enable-chunked-prefill",
+                "--max-num-batched-tokens", str(chunk),
+            ]  # fmt: skip
+            servers.append(vllm_server(system, model_dir, out, extra))
+        else:
+            raise SystemExit(f"unknown system {system!r}: flowprefill, flowprefill-fcfs, vllm")
+    return servers
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="demo-llama")
-    ap.add_argument("--rates", default="0.5,1,2,4")
-    ap.add_argument("--num-requests", type=int, default=60)
-    ap.add_argument("--length-scale", type=float, default=0.15)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=f"runs/stack-vs-vllm-{time.strftime('%Y%m%d-%H%M%S')}")
-    ap.add_argument("--systems", default="flowprefill,flowprefill-fcfs,vllm-priority-cp2k")
+    ap.add_argument("--quick", action="store_true", help="a few minutes: see above")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per probe")
+    ap.add_argument("--min-requests", type=int, default=60, help="fewest requests per probe")
+    ap.add_argument("--precision", type=float, default=0.1, help="stop at fail/pass <= 1 + this")
     ap.add_argument(
-        "--max-tokens", type=int, default=4, help="output tokens per request (TPOT needs >= 2)"
+        "--start-rate",
+        type=float,
+        help="first probe (req/s; default: half the rate the profile says prefill can serve)",
     )
+    ap.add_argument("--min-rate", type=float, default=0.125)
+    ap.add_argument("--max-rate", type=float, default=64.0)
+    ap.add_argument("--length-scale", type=float, default=0.25, help="prompt lengths × this")
+    ap.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
+    ap.add_argument("--systems", default="flowprefill,flowprefill-fcfs,vllm")
+    ap.add_argument("--profile", help="TTFT profile JSON (default: profiled here)")
+    ap.add_argument("--out", default=f"runs/stack-vs-vllm-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args()
+    if args.quick:
+        args.seeds, args.duration, args.min_requests, args.precision = "0", 20.0, 30, 0.3
+        if args.systems == ap.get_default("systems"):
+            args.systems = "flowprefill,vllm"
 
-    from flowprefill.backend import build_executor, quick_profile
+    from flowprefill.backend import build_executor, profile_executor
     from flowprefill.contracts import EngineConfig
     from flowprefill.models import resolve_model_path
-    from flowprefill.up import (
-        SCALE_AT_TOKENS,
-        decode_env,
-        machine_scale,
-        slo_table,
-        vllm_server_command,
-    )
+    from flowprefill.predictor.model import TTFTPredictor
+    from flowprefill.sim import workload as wl
 
     console = Console()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_path(args.model)
-    with build_executor(EngineConfig(model_path=str(model_dir))) as executor:
-        predictor = quick_profile(executor, console, model_name=args.model)
     profile = out / "ttft-profile.json"
+    if args.profile:
+        predictor = TTFTPredictor.load(args.profile)
+    else:
+        config = EngineConfig(model_path=str(model_dir))
+        with console.status("profiling this machine's prefill"), build_executor(config) as ex:
+            report = profile_executor(
+                ex, num_points=8, repeats=2 if args.quick else 3, max_tokens=8192,
+                model_name=args.model,
+            )  # fmt: skip
+        predictor = report.predictor
     predictor.save(profile)
-    scale = machine_scale(predictor.predict_s(SCALE_AT_TOKENS))
-    table = slo_table(scale)
+    cal = calibrate(predictor, args.length_scale)
+    paper = wl.get_slo_table("llama3-8b")
+    slos_s = {c: s * cal.slo_scale for c, s in paper.items()}
     slo_file = out / "slo.json"
-    slo_file.write_text(json.dumps({c.name: c.ttft_slo_ms / 1e3 for c in table.classes}))
-    console.print(
-        f"SLOs = paper × {scale:.1f} (this machine vs A100 Llama-3-8B at 1K tokens) × "
-        f"{args.length_scale} (prompt length scale) → "
-        + ", ".join(f"{c.name} {c.ttft_slo_ms * args.length_scale:.0f} ms" for c in table.classes)
-    )
+    slo_file.write_text(json.dumps(slos_s))
+    console.print(ratio_table(cal, predictor, slos_s))
 
-    results: dict[str, dict] = {}
-    port = 8800
-    for system in args.systems.split(","):
-        log = out / f"{system}.log"
-        if system.startswith("flowprefill"):
-            cmd = [
-                sys.executable,
-                "-m",
-                "flowprefill.cli",
-                "up",
-                "--model",
-                str(model_dir),
-                "--profile",
-                str(profile),
-                "--port",
-                str(port),
-                "--run-dir",
-                str(out / f"{system}-run"),
-            ]
-            if system == "flowprefill-fcfs":
-                cmd += ["--policy", "fcfs"]
-            ready = f"http://127.0.0.1:{port}/ready"
-        else:
-            cmd = vllm_server_command(
-                model_dir,
-                port,
-                extra=[
-                    "--scheduling-policy",
-                    "priority",
-                    "--enable-chunked-prefill",
-                    "--max-num-batched-tokens",
-                    "2048",
-                ],
-            )
-            ready = f"http://127.0.0.1:{port}/health"
-        url = f"http://127.0.0.1:{port}"
-        model_name = str(model_dir)  # both the gateway and vLLM serve it under its path
-        console.print(f"[b]{system}[/b]: starting")
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **decode_env(out)},
-            start_new_session=True,
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.start_rate is None:
+        lengths = make_requests(wl.qwen_like(1000, seed=99), 1.0, args.length_scale)
+        busy_s = statistics.mean(predictor.predict_s(r.num_tokens) for r in lengths)
+        args.start_rate = float(f"{0.5 / busy_s:.2g}")
+        console.print(
+            f"mean prefill {busy_s * 1e3:.0f} ms per request (profile): first probe at "
+            f"{args.start_rate:g} req/s"
         )
-        try:
-            wait_http(ready, proc, log, 600)
-            if system.startswith("flowprefill"):  # decode must be up too
-                deadline = time.monotonic() + 600
-                while "is up" not in log.read_text(errors="replace"):
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{system} did not come up; see {log}")
-                    time.sleep(1)
-            results[system] = run_bench(
-                url, out / system, args, slo_file, system.startswith("vllm"), model_name
-            )
-        finally:
-            stop(proc)
-        port += 300
+    longest = max(args.min_requests, math.ceil(args.max_rate * args.duration))
+    servers = build_servers(args, model_dir, profile, slo_file, out)
+    names = [s.name for s in servers]
+    results: dict[str, dict[int, Bisection]] = {n: {} for n in names}
+    model = str(model_dir)  # the gateway and vLLM both answer to the model's path
+    t_start = time.monotonic()
+    try:
+        with console.status("starting " + ", ".join(names) + " (a few minutes)"):
+            for s in servers:
+                s.start()
+            wait_all(servers)
+            for s in servers:
+                warm_up(s, model, [64, 512, 2048, 6000])
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console) as progress:
+            overall = progress.add_task("seeds", total=len(seeds))
+            for seed in seeds:
+                workload = replace(wl.qwen_like(longest, seed=seed), slo_table=slos_s)
+                for name in names:
+                    previous = [b.goodput for b in results[name].values() if b.goodput > 0]
+                    start = statistics.median(previous) if previous else args.start_rate
+                    results[name][seed] = Bisection(
+                        start, args.precision, args.min_rate, args.max_rate
+                    )
+                step = 0
+                while not all(results[n][seed].done for n in names):
+                    # Interleaved: one probe per system in turn, the order rotating.
+                    turn = servers[step % len(servers) :] + servers[: step % len(servers)]
+                    for server in turn:
+                        bis = results[server.name][seed]
+                        rate = bis.next_rate()
+                        if rate is None:
+                            continue
+                        time.sleep(1.5)  # vLLM busy-waits 1 s after its last step
+                        probe = run_probe(
+                            server, model, workload, rate, seed, args, progress, slos_s
+                        )
+                        bis.add(probe)
+                        progress.console.print(
+                            f"seed {seed} {server.name:<17} {rate:7.3f} req/s: "
+                            f"{probe.attainment:6.1%} "
+                            + " ".join(
+                                f"{c} {probe.classes[c]['attainment']:.0%}"
+                                for c in workload.classes
+                                if c in probe.classes
+                            )
+                            + ("  pass" if probe.passed else "  FAIL")
+                        )
+                    step += 1
+                progress.advance(overall)
+    finally:
+        for s in servers:
+            s.stop()
 
-    t = Table(title="TTFT attainment by class and rate (same workload)")
+    classes = sorted(slos_s, key=lambda c: slos_s[c])
+    summary = report_results(console, results, classes, cal, args)
+    summary["wall_s"] = round(time.monotonic() - t_start)
+    summary["slo_s"] = slos_s
+    summary["command"] = " ".join(sys.argv)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    title = (
+        f"QwenTrace-like ×{args.length_scale:g} lengths, SLO scale {cal.slo_scale:.3f}, "
+        f"{args.duration:g} s per probe"
+    )
+    plot_attainment(
+        out / "attainment.png", results, classes, {c: s * 1e3 for c, s in slos_s.items()}, title
+    )
+    console.print(f"wrote {out / 'summary.json'} and {out / 'attainment.png'}")
+
+
+def report_results(
+    console: Console,
+    results: dict[str, dict[int, Bisection]],
+    classes: list[str],
+    cal: Calibration,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    seeds = sorted(next(iter(results.values())))
+    t = Table(
+        title=f"goodput (req/s at ≥ 90 % TTFT attainment, all classes), bisection to "
+        f"{args.precision:.0%}, {args.duration:g} s of arrivals (≥ {args.min_requests} "
+        "requests) per probe"
+    )
     t.add_column("system")
-    t.add_column("goodput req/s", justify="right")
-    rates = sorted(next(iter(results.values()))["rates"], key=float)
-    classes = [c.name for c in table.classes]
-    for r in rates:
-        t.add_column(f"@{float(r):g}/s: " + " ".join(c[:4] for c in classes), justify="right")
-    for system, rep in results.items():
-        cells = []
-        for r in rates:
-            res = rep["rates"][r]
-            cells.append(
-                " ".join(f"{res.get(c, {}).get('attainment', float('nan')):.0%}" for c in classes)
-            )
-        g = rep["goodput_req_s"]
-        t.add_row(system, "-" if g is None else f"{g:g}", *cells)
-    wide = Console(width=max(console.width, 40 + 28 * len(rates)))
-    wide.print(t)
-    overall = Table(title="all classes: attainment · time per output token p50 / p99 (ms)")
-    overall.add_column("system")
-    for r in rates:
-        overall.add_column(f"@{float(r):g} req/s", justify="right")
-    for system, rep in results.items():
-        cells = []
-        for r in rates:
-            res = rep["rates"][r]["all"]
-            p50, p99 = res.get("tpot_p50_s"), res.get("tpot_p99_s")
-            tpot = "-" if p50 is None else f"{p50 * 1e3:.1f} / {p99 * 1e3:.1f}"
-            cells.append(f"{res['attainment']:.0%} · {tpot}")
-        overall.add_row(system, *cells)
-    wide.print(overall)
-    base = results.get("flowprefill", {}).get("goodput_req_s")
-    for system, rep in results.items():
-        g = rep["goodput_req_s"]
-        if system != "flowprefill" and base and g:
-            console.print(f"goodput flowprefill / {system}: {base / g:.2f}×")
-        elif system != "flowprefill":
-            console.print(f"goodput flowprefill / {system}: {base} vs {g} (ratio undefined)")
-    (out / "summary.json").write_text(
-        json.dumps(
-            {
-                "slo_scale": scale,
-                "slo_ms": {c.name: c.ttft_slo_ms for c in table.classes},
-                "goodput_req_s": {s: r["goodput_req_s"] for s, r in results.items()},
-            },
-            indent=2,
+    for seed in seeds:
+        t.add_column(f"seed {seed}", justify="right")
+    for col in ("mean", "min–max", "× vLLM (per seed)", "probes"):
+        t.add_column(col, justify="right")
+    base = results.get("vllm")
+    summary: dict[str, Any] = {
+        "calibration": {
+            **cal.__dict__,
+            "paper_ratio": cal.paper_ratio,
+            "cpu_ratio": cal.cpu_ratio,
+        },
+        "settings": vars(args),
+        "systems": {},
+    }
+    for name, by_seed in results.items():
+        g = [by_seed[s].goodput for s in seeds]
+        ratios = [
+            g_i / base[s].goodput if base[s].goodput else float("inf")
+            for g_i, s in zip(g, seeds, strict=True)
+            if base is not None
+        ]
+        t.add_row(
+            name,
+            *(f"{x:.2f}" for x in g),
+            f"{statistics.mean(g):.2f}",
+            f"{min(g):.2f}–{max(g):.2f}",
+            " ".join(f"{r:.2f}" for r in ratios) if name != "vllm" and ratios else "-",
+            str(sum(len(by_seed[s].probes) for s in seeds)),
         )
-    )
-    console.print(f"reports in {out}")
+        summary["systems"][name] = {
+            "goodput_req_s": {str(s): by_seed[s].goodput for s in seeds},
+            "goodput_mean_req_s": statistics.mean(g),
+            "ratio_to_vllm": ratios if name != "vllm" else None,
+            "seeds": {str(s): by_seed[s].to_json() for s in seeds},
+        }
+    console.print(t)
+    c = Table(title="at each system's goodput (mean over seeds): attainment · TTFT p50 / p99 ms")
+    c.add_column("system")
+    for name in classes:
+        c.add_column(name, justify="right")
+    for name, by_seed in results.items():
+        at = [max((p for p in b.probes if p.passed), key=lambda p: p.rate, default=None)
+              for b in by_seed.values()]  # fmt: skip
+        probes = [p for p in at if p is not None]
+        cells = []
+        for cls in classes:
+            rows = [p.classes[cls] for p in probes if cls in p.classes]
+            if not rows:
+                cells.append("-")
+                continue
+            att = statistics.mean(r["attainment"] for r in rows)
+            p50 = statistics.mean(r["ttft_p50_s"] or 0 for r in rows) * 1e3
+            p99 = statistics.mean(r["ttft_p99_s"] or 0 for r in rows) * 1e3
+            cells.append(f"{att:.0%} · {p50:.0f} / {p99:.0f}")
+        c.add_row(name, *cells)
+    console.print(c)
+    return summary
 
 
 if __name__ == "__main__":
