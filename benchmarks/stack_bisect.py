@@ -30,6 +30,8 @@ class Probe:
     classes: dict[str, dict[str, Any]]
     """``flowprefill.bench.report.summarize`` of the replay: per class and ``all``."""
     wall_s: float
+    missed: list[tuple[str, int, float | None]] = field(default_factory=list)
+    """(class, prompt tokens, TTFT s or None for an error) of every request that missed."""
 
     @property
     def passed(self) -> bool:

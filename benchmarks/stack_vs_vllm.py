@@ -8,7 +8,9 @@ the order rotating), so that other jobs on this machine load them alike:
 * ``flowprefill-fcfs``: the same stack with ``--policy fcfs`` (optional);
 * ``vllm``: one vLLM server alone, ``--scheduling-policy priority``, chunked prefill with
   chunks of ``2048 × length scale`` tokens (the paper's CP2K, scaled with the prompts), and
-  each request's ``priority`` from its class (tightest SLO first).
+  each request's ``priority`` from its class (tightest SLO first);
+* ``vllm-cp8k`` (optional): the same with ``8192 × length scale`` tokens (the paper's
+  CP8K; 2048 at the default scale, which is also vLLM's default token budget).
 
 Workload: QwenTrace-like (the paper's Table 1 lengths × ``--length-scale``, Table 2's
 Llama-3-8B SLOs × an SLO scale), Poisson arrivals, one seeded workload per seed.
@@ -184,7 +186,8 @@ def run_probe(
     )
     progress.remove_task(bar)
     classes = summarize(outcomes)
-    return Probe(rate, classes["all"]["attainment"], classes, time.monotonic() - t0)
+    missed = [(o.slo_class, o.num_tokens, o.ttft_s) for o in outcomes if not o.met]
+    return Probe(rate, classes["all"]["attainment"], classes, time.monotonic() - t0, missed)
 
 
 def warm_up(server: Server, model: str, lengths: list[int]) -> None:
@@ -210,14 +213,19 @@ def build_servers(
         elif system == "flowprefill-fcfs":
             extra = ["--slo-table", str(slo_file), "--policy", "fcfs"]
             servers.append(up_server(system, model_dir, profile, out, extra))
-        elif system == "vllm":
+        elif system in ("vllm", "vllm-cp8k"):
+            tokens = (
+                chunk if system == "vllm" else round(4 * CHUNK_TOKENS_PAPER * args.length_scale)
+            )
             extra = [
                 "--scheduling-policy", "priority", "--enable-chunked-prefill",
-                "--max-num-batched-tokens", str(chunk),
+                "--max-num-batched-tokens", str(tokens),
             ]  # fmt: skip
             servers.append(vllm_server(system, model_dir, out, extra))
         else:
-            raise SystemExit(f"unknown system {system!r}: flowprefill, flowprefill-fcfs, vllm")
+            raise SystemExit(
+                f"unknown system {system!r}: flowprefill, flowprefill-fcfs, vllm, vllm-cp8k"
+            )
     return servers
 
 
@@ -234,7 +242,9 @@ def main() -> None:
         type=float,
         help="first probe (req/s; default: half the rate the profile says prefill can serve)",
     )
-    ap.add_argument("--min-rate", type=float, default=0.125)
+    ap.add_argument(
+        "--min-rate", type=float, default=0.25, help="below this a system's goodput is 0"
+    )
     ap.add_argument("--max-rate", type=float, default=64.0)
     ap.add_argument("--length-scale", type=float, default=0.25, help="prompt lengths × this")
     ap.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
@@ -378,7 +388,7 @@ def report_results(
         t.add_column(f"seed {seed}", justify="right")
     for col in ("mean", "min–max", "× vLLM (per seed)", "probes"):
         t.add_column(col, justify="right")
-    base = results.get("vllm")
+    base = results.get("vllm") or results.get("vllm-cp8k")
     summary: dict[str, Any] = {
         "calibration": {
             **cal.__dict__,
@@ -400,16 +410,17 @@ def report_results(
             *(f"{x:.2f}" for x in g),
             f"{statistics.mean(g):.2f}",
             f"{min(g):.2f}–{max(g):.2f}",
-            " ".join(f"{r:.2f}" for r in ratios) if name != "vllm" and ratios else "-",
+            " ".join(f"{r:.2f}" for r in ratios) if not name.startswith("vllm") and ratios else "-",
             str(sum(len(by_seed[s].probes) for s in seeds)),
         )
         summary["systems"][name] = {
             "goodput_req_s": {str(s): by_seed[s].goodput for s in seeds},
             "goodput_mean_req_s": statistics.mean(g),
-            "ratio_to_vllm": ratios if name != "vllm" else None,
+            "ratio_to_vllm": ratios if not name.startswith("vllm") else None,
             "seeds": {str(s): by_seed[s].to_json() for s in seeds},
         }
-    console.print(t)
+    wide = Console(width=max(console.width, 150))
+    wide.print(t)
     c = Table(title="at each system's goodput (mean over seeds): attainment · TTFT p50 / p99 ms")
     c.add_column("system")
     for name in classes:
@@ -429,7 +440,7 @@ def report_results(
             p99 = statistics.mean(r["ttft_p99_s"] or 0 for r in rows) * 1e3
             cells.append(f"{att:.0%} · {p50:.0f} / {p99:.0f}")
         c.add_row(name, *cells)
-    console.print(c)
+    wide.print(c)
     return summary
 
 
