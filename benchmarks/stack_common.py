@@ -207,7 +207,7 @@ def vllm_server(name: str, model_dir: Path, out: Path, extra: list[str] | None =
         vllm_server_command(model_dir, port, extra=extra),
         ready_url=f"http://127.0.0.1:{port}/health",
         base_url=f"http://127.0.0.1:{port}",
-        log=out / "vllm.log",
+        log=out / f"{name}.log",
         env=env,
     )
 
