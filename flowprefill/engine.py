@@ -33,6 +33,7 @@ from flowprefill.request import Request, RequestState, Task
 from flowprefill.scheduler.batching import get_batching
 from flowprefill.scheduler.core import CommandKind, Scheduler
 from flowprefill.scheduler.loop import SchedulerLoop
+from flowprefill.scheduler.memory import ParkedBytesFn, ParkedMemory
 from flowprefill.scheduler.policies import get_policy
 from flowprefill.scheduler.round import Arrival, Cancel, Cancelled, Completion, RoundOutput
 
@@ -96,7 +97,13 @@ class PrefillEngine:
         token_budget: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         metrics: EngineMetrics | None = None,
+        parked_memory_bytes: int | None = None,
+        parked_bytes: ParkedBytesFn | None = None,
     ) -> None:
+        """``parked_memory_bytes`` bounds what preempted tasks hold (None: unbounded);
+        a preemption that would exceed it is declined (:mod:`flowprefill.scheduler.memory`).
+        ``parked_bytes`` bounds one parked task; default: the backend's
+        ``estimate_parked_bytes``, which a budget requires."""
         self.backend = backend
         self.clock = clock
         self.metrics = metrics or EngineMetrics()
@@ -105,7 +112,13 @@ class PrefillEngine:
             policy=get_policy(policy),
             batching=get_batching(batching),
             token_budget=token_budget,
+            parked_memory=ParkedMemory(
+                parked_memory_bytes,
+                parked_bytes or getattr(backend, "estimate_parked_bytes", None),
+            ),
         )
+        if parked_memory_bytes is not None:
+            self.metrics.parked_budget_bytes.set(parked_memory_bytes)
         self.pool: ExecutionPool[Sequence[Any]] = ExecutionPool(self._run_task, self._on_task_done)
         self.loop = SchedulerLoop(
             self.scheduler, self.pool, on_round=self._on_round, on_crash=self._on_crash, clock=clock
@@ -277,6 +290,9 @@ class PrefillEngine:
                 m.batch_size.observe(len(cmd.task.requests))
         m.queue_depth.set(self.scheduler.queue_depth)
         m.preempted_tasks.set(len(self.scheduler.preempted))
+        m.parked_bytes.set(self.pool.parked_bytes)
+        if out.scheduled is not None and out.scheduled.declined_preemption is not None:
+            m.preemptions_declined.inc()
 
     def _on_crash(self, error: BaseException) -> None:
         self.fail(RuntimeError(f"prefill scheduler failed: {type(error).__name__}: {error}"))

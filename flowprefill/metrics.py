@@ -11,6 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flowprefill.contracts.metrics import (
     OUTCOME_LABEL,
+    PREFILL_PARKED_BUDGET_BYTES,
+    PREFILL_PARKED_BYTES,
+    PREFILL_PREEMPTIONS_DECLINED,
     PREFILL_REQUESTS,
     PREFILL_TTFT,
     SLO_CLASS_LABEL,
@@ -52,6 +55,23 @@ class EngineMetrics:
         self.preemptions = Counter(
             "flowprefill_prefill_preemptions",
             "Preemptions of a running prefill task.",
+            registry=r,
+        )
+        self.parked_bytes = Gauge(
+            PREFILL_PARKED_BYTES,
+            "Bytes (activations and KV cache) held by parked tasks, measured once parked.",
+            registry=r,
+        )
+        self.parked_budget_bytes = Gauge(
+            PREFILL_PARKED_BUDGET_BYTES,
+            "Budget for the bytes parked tasks may hold (+Inf: unbounded).",
+            registry=r,
+        )
+        self.parked_budget_bytes.set(float("inf"))
+        self.preemptions_declined = Counter(
+            PREFILL_PREEMPTIONS_DECLINED,
+            "Scheduling rounds that left the running task running because parking it "
+            "would have exceeded the parked-memory budget.",
             registry=r,
         )
         self.preemption_blocking = Histogram(

@@ -35,6 +35,13 @@ GATEWAY_TTFT: Final = "flowprefill_gateway_ttft_seconds"
 # Prefill instance (flowprefill serve-prefill).
 PREFILL_REQUESTS: Final = "flowprefill_prefill_requests"
 PREFILL_TTFT: Final = "flowprefill_prefill_ttft_seconds"
+PREFILL_PARKED_BYTES: Final = "flowprefill_prefill_parked_bytes"
+"""Gauge: bytes held by preempted (parked) tasks, as measured once each parked."""
+PREFILL_PARKED_BUDGET_BYTES: Final = "flowprefill_prefill_parked_memory_budget_bytes"
+"""Gauge: the engine's ``parked_memory_bytes`` (+Inf when unbounded)."""
+PREFILL_PREEMPTIONS_DECLINED: Final = "flowprefill_prefill_preemptions_declined"
+"""Counter: scheduling rounds in which a more urgent entry did not preempt the running
+task because parking it would have exceeded the parked-memory budget."""
 
 TTFT_BUCKETS_S: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 """Histogram buckets of every TTFT metric (the classes' SLOs span 0.25 s to 18 s)."""

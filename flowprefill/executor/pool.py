@@ -6,6 +6,10 @@ Each task runs in its own thread so that a preempted task can stay parked inside
 forward pass, keeping every activation and KV tensor, while another task's thread runs.
 A parked thread waits on an Event and holds no GIL, and the pool never lets two tasks run
 at once: ``preempt`` returns only once the running task has acknowledged (or finished).
+
+What a parked task holds is measured by :meth:`ExecutionPool.held_bytes` (through the probe
+the executor leaves on the task's control) and kept until the task resumes or ends;
+:attr:`ExecutionPool.parked_bytes` is their sum, the parked-memory gauge.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class ExecutionPool(Generic[R]):
         self._controls: dict[int, TaskControl] = {}
         self._threads: dict[int, threading.Thread] = {}
         self._running: int | None = None
+        self._held: dict[int, int] = {}  # task_id -> bytes measured while parked
 
     # ----------------------------------------------------------------- commands
 
@@ -79,6 +84,7 @@ class ExecutionPool(Generic[R]):
         control = self._control(task)
         with self._lock:
             self._running = task.task_id
+            self._held.pop(task.task_id, None)
         if not control.done:
             control.resume()
 
@@ -88,6 +94,24 @@ class ExecutionPool(Generic[R]):
 
     def progress(self, task: Task) -> float:
         return self._control(task).progress
+
+    def held_bytes(self, task: Task) -> int | None:
+        """Measure what the parked ``task`` holds (None: not parked, or no probe). Called
+        from the scheduler thread, which alone resumes tasks, so it stays parked meanwhile."""
+        control = self._control(task)
+        probe = control.held_bytes
+        if probe is None or not control.parked:
+            return None
+        held = probe()
+        with self._lock:
+            self._held[task.task_id] = held
+        return held
+
+    @property
+    def parked_bytes(self) -> int:
+        """Bytes the parked tasks hold, as last measured."""
+        with self._lock:
+            return sum(self._held.values())
 
     # ---------------------------------------------------------------- internals
 
@@ -111,6 +135,7 @@ class ExecutionPool(Generic[R]):
         with self._lock:
             if self._running == task.task_id:
                 self._running = None
+            self._held.pop(task.task_id, None)
         if error is None:
             task.progress = 1.0
         # Report before marking done: a racing preempt() that sees "done" can rely on the

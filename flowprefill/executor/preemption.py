@@ -51,6 +51,7 @@ class TaskControl:
         "cancelled",
         "device_sync",
         "gate",
+        "held_bytes",
         "name",
         "num_checkpoints",
         "num_checkpoints_expected",
@@ -70,6 +71,9 @@ class TaskControl:
         """Tensor parallelism: decides at which checkpoint this rank parks, so that every
         rank parks at the same one (:mod:`flowprefill.tp.agreement`). None: park at the
         first checkpoint after the signal."""
+        self.held_bytes: Callable[[], int] | None = None
+        """Set by the executor on the task's thread: measures the bytes the task holds,
+        called by the pool once it has parked (:mod:`flowprefill.executor.memory`)."""
         self._cond = threading.Condition()
         self._acked = False
         self._parked = False

@@ -48,6 +48,11 @@ from flowprefill.executor.kernels import (
     install_fast_linears,
     resolve_kernels,
 )
+from flowprefill.executor.memory import (
+    ParkedFootprint,
+    measure_current_thread,
+    weight_storages,
+)
 from flowprefill.executor.packing import PackedBatch, chunk_segments, chunk_spans, pack
 from flowprefill.executor.preemption import TaskControl, activate, current_control
 from flowprefill.executor.splitting import (
@@ -180,6 +185,10 @@ class PreemptibleExecutor:
             except BaseException:
                 self.close()
                 raise
+        # After every install: prepacked weights are module attributes, not a task's.
+        self._weights = weight_storages(model)
+        self.footprint = ParkedFootprint.of_model(config, next(model.parameters()).dtype)
+        """Bounds what a parked task holds (the scheduler's parked-memory budget)."""
 
     def _install_splitting(
         self, model: PreTrainedModel, max_blocking_ms: float, rates: SplitRates | None
@@ -241,6 +250,10 @@ class PreemptibleExecutor:
         if self._split_policy is None:
             raise RuntimeError("this executor does not split operators (max_blocking_ms unset)")
         self._split_policy = SplitPolicy(self._split_policy.max_blocking_s, rates)
+
+    def estimate_parked_bytes(self, num_tokens: int, num_requests: int = 1) -> int:
+        """Most bytes a task of ``num_tokens`` prompt tokens holds while parked."""
+        return self.footprint.bytes_for(num_tokens, num_requests)
 
     def expected_checkpoints(self, prompt_lengths: Sequence[int]) -> int:
         """Checkpoints one prefill of these prompts passes: hooks per chunk, those split
@@ -319,6 +332,8 @@ class PreemptibleExecutor:
 
             control.device_sync = drain
             check_sync = drain if self.sync_mode == "every_check" else None
+        if control is not None:
+            control.held_bytes = measure_current_thread(self._weights)
         with activate(control), per_check_sync(check_sync), self.backend.stream_context(stream):
             outputs = self._prefill(tokens)
         # Results leave the task only once the device has produced them.

@@ -9,7 +9,9 @@ simulator both call, so what the simulator predicts is what the engine decides.
 
 Invariant after every :meth:`Scheduler.schedule` call: the running task holds the
 highest-priority runnable entry (waiting request, preempted task or the running task
-itself) under the configured policy at that instant.
+itself) under the configured policy at that instant — unless parking the running task
+would exceed the parked-memory budget (:mod:`flowprefill.scheduler.memory`): then the
+round declines the preemption, the running task continues and the round says so.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from enum import StrEnum
 from flowprefill.errors import InvalidRequestError, UnknownTaskError
 from flowprefill.request import Request, RequestState, Task
 from flowprefill.scheduler.batching import BatchingPolicy, SLOAwareBatching
+from flowprefill.scheduler.memory import ParkedMemory
 from flowprefill.scheduler.policies import PriorityPolicy, RankInput, SlackEDF, SortKey
 
 
@@ -43,6 +46,9 @@ class SchedulerOutput:
     round_index: int
     now_s: float
     commands: list[Command] = field(default_factory=list)
+    declined_preemption: Task | None = None
+    """The running task, when a more urgent entry did not preempt it because parking it
+    would exceed the parked-memory budget (no commands then)."""
 
 
 @dataclass(slots=True)
@@ -53,6 +59,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_resumes: int = 0
     num_finished: int = 0
+    num_preemptions_declined: int = 0
+    """Rounds that left the running task running because of the parked-memory budget."""
 
 
 class Scheduler:
@@ -65,13 +73,16 @@ class Scheduler:
         policy: PriorityPolicy | None = None,
         batching: BatchingPolicy | None = None,
         token_budget: int = 4096,
+        parked_memory: ParkedMemory | None = None,
     ) -> None:
+        """``parked_memory`` bounds the bytes preempted tasks hold (None: unbounded)."""
         if token_budget <= 0:
             raise InvalidRequestError(f"batch token budget must be positive, got {token_budget}")
         self.policy: PriorityPolicy = policy or SlackEDF()
         self.batching: BatchingPolicy = batching or SLOAwareBatching()
         self.predict_s = predict_s
         self.token_budget = token_budget
+        self.parked_memory = parked_memory if parked_memory is not None else ParkedMemory()
         self.waiting: dict[str, Request] = {}
         self.preempted: dict[int, Task] = {}
         self.running: Task | None = None
@@ -96,6 +107,7 @@ class Scheduler:
 
     def finish(self, task: Task, now_s: float, *, failed: bool = False) -> None:
         """A completion: ``task`` left the execution pool (done or failed)."""
+        self.parked_memory.unpark(task)
         if self.running is task:
             self.running = None
         elif self.preempted.pop(task.task_id, None) is None:
@@ -177,6 +189,14 @@ class Scheduler:
         if best is self.running:
             return out
 
+        if self.running is not None and not self.parked_memory.fits_switch(
+            self.running, None if isinstance(best, Request) else best
+        ):
+            # Decided before a batch is formed: declining leaves every queue as it was.
+            out.declined_preemption = self.running
+            self.stats.num_preemptions_declined += 1
+            return out
+
         if isinstance(best, Request):
             candidates = sorted(
                 (kv for kv in keyed if isinstance(kv[1], Request) and kv[1] is not best),
@@ -197,6 +217,7 @@ class Scheduler:
             victim = self.running
             victim.transition(RequestState.PREEMPTED, now_s)
             self.preempted[victim.task_id] = victim
+            self.parked_memory.park(victim)
             out.commands.append(Command(CommandKind.PREEMPT, victim))
             self.stats.num_preemptions += 1
 
@@ -208,6 +229,7 @@ class Scheduler:
             self.stats.num_submits += 1
         else:
             del self.preempted[target.task_id]
+            self.parked_memory.unpark(target)
             out.commands.append(Command(CommandKind.RESUME, target))
             self.stats.num_resumes += 1
         target.transition(RequestState.RUNNING, now_s)

@@ -60,6 +60,11 @@ class Pool(Protocol):
         """Fraction (0..1) of the task's work done by now."""
         ...
 
+    def held_bytes(self, task: Task) -> int | None:
+        """Bytes the parked ``task`` holds, measured; None when this pool cannot measure
+        (the scheduler keeps its upper bound)."""
+        ...
+
 
 # ---------------------------------------------------------------------------- events
 
@@ -187,4 +192,10 @@ def run_round(
             pool.submit(cmd.task)
         else:
             pool.resume(cmd.task)
+    # Measured after the submit/resume, so the urgent task does not wait for it.
+    for p in out.preempted:
+        if p.outcome.parked:
+            held = pool.held_bytes(p.task)
+            if held is not None:
+                scheduler.parked_memory.measured(p.task, held)
     return out

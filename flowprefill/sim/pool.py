@@ -164,6 +164,10 @@ class SimulatedPool:
             elapsed = last_checkpoint_s(run.plan, min(elapsed, run.plan.total_s))
         return run.plan.progress(elapsed)
 
+    def held_bytes(self, task: Task) -> int | None:
+        """Not simulated: the scheduler keeps its upper bound for a parked task."""
+        return None
+
     def done_s(self, task: Task) -> float:
         """When ``task`` ends if it keeps running (it must be running)."""
         run = self._run(task)

@@ -24,6 +24,7 @@ from flowprefill.errors import UnknownNameError
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.scheduler.batching import get_batching
 from flowprefill.scheduler.core import Scheduler
+from flowprefill.scheduler.memory import ParkedBytesFn, ParkedMemory
 from flowprefill.scheduler.policies import get_policy
 from flowprefill.scheduler.round import LIVE_PROGRESS
 from flowprefill.sim.cost import CostModel
@@ -150,14 +151,19 @@ def build_instance(
     *,
     live_progress: bool = LIVE_PROGRESS,
     max_blocking_s: float | None = None,
+    parked_memory_bytes: int | None = None,
+    parked_bytes: ParkedBytesFn | None = None,
 ) -> Instance:
     """``max_blocking_s`` splits operators at run time (only systems that preempt at
-    operator level, as the engine; the baselines are unchanged)."""
+    operator level, as the engine; the baselines are unchanged). ``parked_memory_bytes``
+    bounds the bytes parked tasks hold, as the engine's does, with ``parked_bytes`` the
+    bound on one task (the simulated pool measures nothing: parked tasks count at it)."""
     scheduler = Scheduler(
         predict_s=predict_s,
         policy=get_policy(spec.policy),
         batching=get_batching(spec.batching),
         token_budget=spec.token_budget,
+        parked_memory=ParkedMemory(parked_memory_bytes, parked_bytes),
     )
     pool = SimulatedPool(cost, spec.granularity, spec.chunk_size, max_blocking_s)
     return Instance(scheduler, pool, get_admission(spec.admission), live_progress=live_progress)

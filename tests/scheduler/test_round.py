@@ -21,6 +21,7 @@ class FakePool:
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[str]]] = []
         self.progress_of: dict[int, float] = {}
+        self.held_of: dict[int, int] = {}
 
     def _log(self, name: str, task: Task) -> None:
         self.calls.append((name, [r.request_id for r in task.requests]))
@@ -43,6 +44,9 @@ class FakePool:
 
     def progress(self, task: Task) -> float:
         return self.progress_of.get(task.task_id, 0.0)
+
+    def held_bytes(self, task: Task) -> int | None:
+        return self.held_of.get(task.task_id)
 
 
 def req(rid: str, tokens: int, arrival: float, slo: float, cls: str = "x") -> Request:
