@@ -223,6 +223,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "checkpoints (ms, or off; default: the device's, docs/executor.md)",
     )
     p.add_argument(
+        "--parked-memory-mb",
+        type=float,
+        default=None,
+        help="budget for the activations and KV cache preempted prefills hold (MiB; "
+        "default unbounded): a preemption that would exceed it is declined (docs/executor.md)",
+    )
+    p.add_argument(
         "--routing", default=Router.SLACK_AWARE, type=name_arg(Router), choices=list(Router)
     )
     p.add_argument("--profile", help="TTFT profile JSON (profiled once at start when absent)")
@@ -431,6 +438,9 @@ def plan_stack(
             batch_token_budget=args.batch_token_budget,
             chunk_size=args.chunk_size,
             max_blocking_ms=args.max_blocking_ms,
+            parked_memory_bytes=None
+            if args.parked_memory_mb is None
+            else int(args.parked_memory_mb * 2**20),
             predictor_path=str(profile),
             tp_size=args.tp,
             num_threads=threads_per_rank(args),

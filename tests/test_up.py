@@ -154,6 +154,12 @@ def test_tp_runs_every_prefill_instance_with_n_ranks_sharing_the_cores(
     assert {(e.tp_size, e.num_threads) for e in _plan(tmp_path).values()} == {(1, None)}
 
 
+def test_parked_memory_budget_reaches_every_engine_json(tmp_path: Path) -> None:
+    assert {e.parked_memory_bytes for e in _plan(tmp_path).values()} == {None}
+    budget = {e.parked_memory_bytes for e in _plan(tmp_path, "--parked-memory-mb", "512").values()}
+    assert budget == {512 * 2**20}
+
+
 @pytest.mark.parametrize("value", ["0", "9", "-1", "two"])
 def test_tp_outside_what_the_engine_serves_is_refused_before_anything_starts(
     value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -159,6 +159,13 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: torch's default)."
     )
+    parked_memory_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Most bytes (activations and KV cache) preempted tasks may hold while "
+        "parked; a preemption that would exceed it is declined and the urgent request waits "
+        "(docs/executor.md). null: unbounded. Per process (each tensor-parallel rank).",
+    )
     kv: KVHandoffSettings | None = Field(
         None, description="KV hand-off to decode; null: none (decode recomputes the prompt)."
     )

@@ -105,6 +105,7 @@ def test_prefill_command_config_and_probes() -> None:
         "batch_token_budget": 4096,
         "chunk_size": 2048,
         "max_blocking_ms": None,
+        "parked_memory_bytes": None,
         "policy": "s-edf",
         "predictor_path": "/etc/flowprefill/profile/a100.json",
         "tp_size": 1,
@@ -256,6 +257,25 @@ def test_engine_blocking_bound_reaches_engine_json() -> None:
     assert off.max_blocking_ms == "off" and off.resolved_max_blocking_ms() is None
     with pytest.raises(ValidationError, match=r"maxBlockingMs|max_blocking_ms"):
         with_engine(maxBlockingMs=0)
+
+
+def test_engine_parked_memory_budget_reaches_engine_json() -> None:
+    def with_engine(**engine: object) -> ServingPoolSpec:
+        wire = PREFILL.wire()
+        return PREFILL.model_validate({**wire, "engine": {**wire["engine"], **engine}})
+
+    assert build_engine_config(PREFILL).parked_memory_bytes is None  # unbounded
+    assert build_engine_config(with_engine(parkedMemory="4Gi")).parked_memory_bytes == 4 * 2**30
+    assert (
+        build_engine_config(with_engine(parkedMemory="1500M")).parked_memory_bytes == 1500 * 10**6
+    )
+    children = build_pool_children(
+        PoolRef("llama3-8b-prefill", "ns", "uid-p", with_engine(parkedMemory="2Gi")), SETTINGS
+    )
+    engine = json.loads(by_kind(children, "ConfigMap")[0]["data"]["engine.json"])
+    assert engine["parked_memory_bytes"] == 2 * 2**30
+    with pytest.raises(ValidationError, match=r"parkedMemory|parked_memory"):
+        with_engine(parkedMemory="lots")
 
 
 def test_children_are_owned_by_their_pool_and_gateway_by_all_pools() -> None:

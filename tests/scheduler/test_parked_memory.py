@@ -140,3 +140,14 @@ def test_a_zero_budget_never_preempts() -> None:
         assert out.commands == []
     assert s.stats.num_preemptions_declined == 5 and len(s.waiting) == 5
     assert not any(call[0] == "preempt" for call in pool.calls)
+
+
+def test_engine_config_budget_is_optional_and_not_negative() -> None:
+    from pydantic import ValidationError
+
+    from flowprefill.contracts import EngineConfig
+
+    assert EngineConfig().parked_memory_bytes is None
+    assert EngineConfig(parked_memory_bytes=0).parked_memory_bytes == 0
+    with pytest.raises(ValidationError, match="parked_memory_bytes"):
+        EngineConfig(parked_memory_bytes=-1)

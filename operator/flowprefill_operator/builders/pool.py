@@ -59,6 +59,9 @@ def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
         batch_token_budget=engine.batch_token_budget,
         chunk_size=engine.chunk_size,
         max_blocking_ms=engine.max_blocking_ms if engine.operator_splitting else "off",
+        parked_memory_bytes=None
+        if engine.parked_memory is None
+        else int(quantity_value(engine.parked_memory)),
         policy=engine.policy,
         batching=engine.batching,
         predictor_path=f"{PROFILE_DIR}/{profile.key}" if profile else None,

@@ -217,6 +217,13 @@ class EngineSettings(CRModel):
         "checkpoints are split at run time (operator granularity); unset = the device's "
         "default (4 on cuda, 100 on cpu).",
     )
+    parked_memory: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        description="Budget for the activations and KV cache preempted prefills hold while "
+        "parked, a quantity (e.g. 4Gi) per engine process; a preemption that would exceed it "
+        "is declined and the urgent request waits. Unset = unbounded.",
+    )
     operator_splitting: bool = Field(
         default=True,
         description="false: operators always run whole (blocking bounded by the longest "
