@@ -61,6 +61,11 @@ class TPBackend:
     def validate(self, prompts: Sequence[PromptLike]) -> list[torch.Tensor]:
         return self.executor.validate(prompts)
 
+    def estimate_parked_bytes(self, num_tokens: int, num_requests: int = 1) -> int:
+        """Bound on what one rank's parked task holds (the budget is per process): rank
+        0's executor bounds it as if it held every KV head, an upper bound for its shard."""
+        return self.executor.estimate_parked_bytes(num_tokens, num_requests)
+
     def run(self, prompts: Sequence[PromptLike], control: TaskControl) -> list[PrefillOutput]:
         """One task across all ranks, on the calling (task) thread."""
         tokens = [t.tolist() for t in self.executor.validate(prompts)]
