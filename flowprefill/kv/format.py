@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from flowprefill.errors import KVFormatError, KVMismatchError, KVNotFoundError
+from flowprefill.kv.validate import MAX_NUM_TOKENS, bounded_int, fingerprint_fields
 
 FORMAT_NAME = "flowprefill-kv"
 FORMAT_VERSION = 1
@@ -96,7 +97,8 @@ class ModelFingerprint:
 
     @classmethod
     def from_json(cls, text: str) -> ModelFingerprint:
-        return cls(**json.loads(text))
+        """Parse and bound-check (ValueError): the text may come from an untrusted file."""
+        return cls(**fingerprint_fields(json.loads(text)))
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ class KVHeader:
             first = meta.get("first_token_id", "")
             header = cls(
                 fingerprint=ModelFingerprint.from_json(meta["fingerprint"]),
-                num_tokens=int(meta["num_tokens"]),
+                num_tokens=bounded_int("num_tokens", int(meta["num_tokens"]), MAX_NUM_TOKENS),
                 dtype=meta["dtype"],
                 token_ids_sha256=meta["token_ids_sha256"],
                 checksum=int(meta["checksum_crc32"]),
@@ -155,8 +157,9 @@ class KVHeader:
                 created_unix_s=float(meta.get("created_unix_s", "0")),
                 layout=meta["layout"],
             )
-        except (KeyError, ValueError, TypeError) as exc:
-            raise KVFormatError(f"{where}: bad metadata ({exc!r})") from exc
+        except (KeyError, ValueError, TypeError, RecursionError) as exc:
+            # RecursionError: deeply nested JSON in the fingerprint.
+            raise KVFormatError(f"{where}: bad metadata ({exc!r:.300})") from exc
         if header.layout != LAYOUT_HND or header.dtype not in DTYPES:
             raise KVFormatError(f"{where}: unsupported layout/dtype {header.layout}/{header.dtype}")
         return header
@@ -327,10 +330,17 @@ def _check_tensor_specs(
 ) -> None:
     """The tensors (name → safetensors dtype, shape) are exactly what ``h`` promises."""
     names = set(specs)
+    # num_layers is bounded (validate.MAX_LAYERS): building every expected name is cheap.
     want = {"token_ids"} | {f"{kv}.{i}" for i in range(h.num_layers) for kv in "kv"}
     if names != want:
         missing, extra = sorted(want - names), sorted(names - want)
         raise KVFormatError(f"{where}: tensors missing {missing[:4]}, unexpected {extra[:4]}")
+    ids_dtype, ids_shape = specs["token_ids"]
+    if ids_dtype != "I64" or list(ids_shape) != [h.num_tokens]:
+        raise KVFormatError(
+            f"{where}: tensor token_ids is {ids_dtype}{list(ids_shape)}, header says "
+            f"I64[{h.num_tokens}]"
+        )
     shape = [h.fingerprint.num_kv_heads, h.num_tokens, h.fingerprint.head_dim]
     for name in sorted(want - {"token_ids"}):
         dtype, got = specs[name]
@@ -367,7 +377,13 @@ def parse_file_header(raw: bytes, where: str) -> tuple[KVHeader, int]:
         raise KVFormatError(f"{where}: header truncated ({len(raw)} of {end} bytes)")
     try:
         obj = json.loads(raw[SAFETENSORS_PREFIX:end])
+        if not isinstance(obj, dict):
+            raise TypeError(f"header is a JSON {type(obj).__name__}, not an object")
         meta = obj.pop("__metadata__", None)
+        if meta is not None and not (
+            isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+        ):
+            raise TypeError("__metadata__ must map strings to strings")
         specs: dict[str, tuple[str, list[int]]] = {}
         data_end = 0
         for name, info in obj.items():
@@ -376,8 +392,8 @@ def parse_file_header(raw: bytes, where: str) -> tuple[KVHeader, int]:
                 raise ValueError(f"tensor {name} has data_offsets {begin}, {stop}")
             specs[name] = (str(info["dtype"]), [int(d) for d in info["shape"]])
             data_end = max(data_end, stop)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise KVFormatError(f"{where}: unreadable safetensors header ({exc!r})") from exc
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        raise KVFormatError(f"{where}: unreadable safetensors header ({exc!r:.300})") from exc
     header = KVHeader.from_metadata(meta, where)
     _check_tensor_specs(header, specs, where)
     return header, end + data_end
