@@ -303,3 +303,46 @@ def test_endless_body_is_cut_at_max_bytes(
         assert list(transport.root.iterdir()) == []
     finally:
         transport.close()
+
+
+# ----------------------------------------------------------------- decode recomputes
+
+
+def _damaged(good: bytes) -> dict[str, bytes]:
+    lying = json.loads(HANDOFF.header.to_metadata()["fingerprint"]) | {"num_layers": 10**9}
+    meta = HANDOFF.header.to_metadata() | {"fingerprint": json.dumps(lying)}
+    text = good[8 : 8 + struct.unpack("<Q", good[:8])[0]]
+    header = json.loads(text) | {"__metadata__": meta}
+    flipped = bytearray(good)
+    flipped[20] ^= 0x55  # inside the JSON header
+    return {
+        "truncated": good[: len(good) // 2],
+        "lying": _raw_file(header, len(good) - 8 - len(text)),
+        "flipped": bytes(flipped),
+        "empty": b"",
+    }
+
+
+@pytest.mark.parametrize("kind", ["truncated", "lying", "flipped", "empty"])
+def test_decode_recomputes_when_the_handoff_is_refused(
+    tmp_path: Path, good_bytes: bytes, kind: str
+) -> None:
+    """vLLM's scheduler asks the connector how many prompt tokens the hand-off covers: for
+    a refused file, none (the prompt is recomputed), and the finished request reports
+    ``recomputed`` with the reason."""
+    pytest.importorskip("vllm")
+    from tests.kv.test_connector_scheduler import make_connector, matched, request
+
+    prompt = [*HANDOFF.token_ids, 42]
+    SharedDirTransport(tmp_path).path("h1").write_bytes(_damaged(good_bytes)[kind])
+    conn = make_connector(tmp_path)
+    conn._expected = FP
+    req = request("a", prompt, HandoffRef("h1").to_params())
+    assert matched(conn, req) == (0, False)
+    _, out = conn.request_finished(req, [])
+    assert out["flowprefill"]["status"] == "recomputed"
+    assert "KVFormatError" in out["flowprefill"]["reason"]
+    # the intact file is loaded: the refusal above came from the damage
+    SharedDirTransport(tmp_path).path("h2").write_bytes(good_bytes)
+    ok = request("b", prompt, HandoffRef("h2").to_params())
+    assert matched(conn, ok) == (NUM_TOKENS, False)
