@@ -16,6 +16,7 @@ from flowprefill.contracts.deployment import (
 from flowprefill.contracts.engine import max_blocking_arg
 
 if TYPE_CHECKING:
+    from flowprefill.engine import Predictor, PrefillBackend, PrefillEngine
     from flowprefill.server.kv_sink import DirectorySink
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="override max_blocking_ms: split operators predicted to run longer between two "
         "checkpoints (a number of ms, or off)",
     )
+    p.add_argument(
+        "--parked-memory-mb",
+        type=float,
+        help="override parked_memory_bytes (MiB): what preempted tasks may hold; 0 never preempts",
+    )
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest accepted body")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
 
@@ -73,6 +79,10 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
         )
         if v
     }
+    if args.parked_memory_mb is not None:  # outside the filter above: 0 is a valid budget
+        if args.parked_memory_mb < 0:
+            raise SystemExit(f"--parked-memory-mb must be >= 0, got {args.parked_memory_mb:g}")
+        updates["parked_memory_bytes"] = int(args.parked_memory_mb * 2**20)
     kv_updates = {
         k: v
         for k, v in (
@@ -89,12 +99,28 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
     return config.model_copy(update=updates)
 
 
+def build_engine(
+    config: EngineConfig, backend: PrefillBackend, predictor: Predictor
+) -> PrefillEngine:
+    """The prefill engine as engine.json describes it (every scheduling field of
+    :class:`EngineConfig` the engine takes goes through here)."""
+    from flowprefill.engine import PrefillEngine
+
+    return PrefillEngine(
+        backend,
+        predictor,
+        policy=config.policy,
+        batching=config.batching,
+        token_budget=config.batch_token_budget,
+        parked_memory_bytes=config.parked_memory_bytes,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
     from rich.console import Console
 
     from flowprefill.backend import build_backend, model_config_of, quick_profile
-    from flowprefill.engine import PrefillEngine
     from flowprefill.predictor.model import TTFTPredictor
     from flowprefill.server.prefill import create_app
     from flowprefill.tp.backend import TPBackend
@@ -109,13 +135,7 @@ def run(args: argparse.Namespace) -> int:
             if config.predictor_path
             else quick_profile(backend, Console(stderr=True), model_name=config.model_path)
         )
-        engine = PrefillEngine(
-            backend,
-            predictor,
-            policy=config.policy,
-            batching=config.batching,
-            token_budget=config.batch_token_budget,
-        )
+        engine = build_engine(config, backend, predictor)
         kv_sink = kv_handoff(config.kv, args.host, args.port, model_config_of(backend))
         # /v1/kv/<id>: decode pulls hand-offs from it (http); the gateway deletes the ones
         # decode will not load through it (both transports).

@@ -11,11 +11,12 @@ import httpx
 import pytest
 import torch
 
+from flowprefill.contracts import EngineConfig
 from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.models import load_model, named_model_dir
 from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.server.cli import add_arguments, kv_handoff, resolve_config
+from flowprefill.server.cli import add_arguments, build_engine, kv_handoff, resolve_config
 from flowprefill.server.prefill import create_app
 from tests.helpers import serve_in_thread
 
@@ -70,3 +71,26 @@ def test_command_line_overrides_engine_json_kv_section(tmp_path: Path) -> None:
     kv = resolve_config(_args("--config", str(path), "--kv-max-age", "5")).kv
     assert kv == KVHandoffSettings(transport=KVTransport.HTTP, dir="/kv", max_age_s=5)
     assert resolve_config(_args("--config", str(path))).kv == config.kv
+
+
+def test_engine_json_parked_memory_budget_reaches_the_engine(tmp_path: Path) -> None:
+    """serve-prefill builds its engine from engine.json: the parked-memory budget (and its
+    command-line override, where 0 is a valid budget) is the one the scheduler enforces."""
+    path = tmp_path / "engine.json"
+    path.write_text(EngineConfig(parked_memory_bytes=123_456).model_dump_json())
+    assert resolve_config(_args("--config", str(path))).parked_memory_bytes == 123_456
+    config = resolve_config(_args("--config", str(path), "--parked-memory-mb", "0"))
+    assert config.parked_memory_bytes == 0
+    with pytest.raises(SystemExit, match="parked-memory-mb"):
+        resolve_config(_args("--parked-memory-mb", "-1"))
+
+    torch.manual_seed(0)
+    model = load_model(named_model_dir("tiny-llama", cache_dir=tmp_path / "models"))
+    with PreemptibleExecutor(model, granularity="operator") as executor:
+        for budget in (None, 0, 4096):
+            config = EngineConfig(parked_memory_bytes=budget)
+            engine = build_engine(config, executor, TTFTPredictor.linear(1e-5))
+            try:
+                assert engine.scheduler.parked_memory.budget_bytes == budget
+            finally:
+                engine.close()
