@@ -62,9 +62,30 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg', '')}", None
+    if param is None:
+        # About the body as a whole: pydantic's own words ("Field required", "Input should
+        # be a valid dictionary") would not say that it is the body that is wrong.
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        return _describe_body(first, exc.body) + more, None
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
+
+
+JSON_BODY = "a JSON object sent as content-type application/json"
+
+
+def _describe_body(error: Any, body: object) -> str:
+    if error.get("type") == "missing":
+        return f"request body is required: {JSON_BODY}"
+    if isinstance(body, bytes | bytearray):  # FastAPI parses JSON only if declared JSON
+        return f"request body is not JSON (by its content-type): send {JSON_BODY}"
+    return f"request body: {error.get('msg', 'invalid value')}"
+
+
+# FastAPI's answer to a body it could not decode for another reason than bad JSON syntax
+# (bytes that are not UTF-8); it names neither the cause nor the fix.
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -79,6 +100,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.detail == _FASTAPI_PARSE_ERROR:
+            return error_response(400, "request body is not valid JSON: not UTF-8 text")
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
