@@ -52,7 +52,7 @@ def json_values(max_leaves: int = 12) -> st.SearchStrategy[Any]:
         | st.integers(min_value=2**63 - 2, max_value=10**40)
         | st.integers(min_value=-(10**40), max_value=-1)
         | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(st.characters(exclude_categories=("Cs",)), max_size=30)
+        | st.text(st.characters(exclude_categories=["Cs"]), max_size=30)
     )
     return st.recursive(
         leaves,
@@ -140,7 +140,7 @@ def bodies(valid: dict[str, Any], extra_keys: list[str]) -> st.SearchStrategy[by
 def send(client: httpx.Client, call: Call) -> httpx.Response:
     # latin-1 bytes: what goes on the wire for non-ASCII header values (httpx would
     # refuse to encode them as str).
-    headers = {k: v.encode("latin-1") for k, v in call.headers.items()}
+    headers = {k.encode(): v.encode("latin-1") for k, v in call.headers.items()}
     return client.request(
         call.method, call.path, content=call.body, headers=headers, timeout=REQUEST_TIMEOUT_S
     )
