@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from flowprefill.contracts import GatewayConfig
 from flowprefill.contracts.deployment import GATEWAY_PORT
+from flowprefill.web.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
 if TYPE_CHECKING:
     from flowprefill.gateway.state import GatewayState
@@ -18,7 +19,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-table", required=True, help="slo-table.json; reloaded when it changes")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=GATEWAY_PORT)
-    p.add_argument("--max-body-mb", type=float, default=32.0)
+    p.add_argument(
+        "--max-body-mb", type=float, default=32.0, help="largest accepted body (413 over)"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client may take to send a request's headers (slowloris bound)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client may take to send a request's body (408 after)",
+    )
     p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds")
     p.add_argument(
         "--upstream-http",
@@ -83,9 +98,18 @@ def run(args: argparse.Namespace) -> int:
 
     from flowprefill.gateway.app import create_gateway_app
     from flowprefill.web.errors import BodySizeLimit
+    from flowprefill.web.limits import uvicorn_options
 
     config = GatewayConfig.model_validate_json(Path(args.config).read_text())
     state = build_state(config, args.slo_table, args.upstream_timeout, args.upstream_http)
-    app = BodySizeLimit(create_gateway_app(state), int(args.max_body_mb * 2**20))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    limit = int(args.max_body_mb * 2**20)
+    app = BodySizeLimit(create_gateway_app(state), limit, args.body_timeout)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=30,
+        **uvicorn_options(args.header_timeout),
+    )
     return 0

@@ -14,6 +14,7 @@ from flowprefill.contracts.deployment import (
     PREFILL_PORT,
 )
 from flowprefill.contracts.engine import max_blocking_arg
+from flowprefill.web.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
 if TYPE_CHECKING:
     from flowprefill.engine import Predictor, PrefillBackend, PrefillEngine
@@ -63,7 +64,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="override parked_memory_bytes (MiB): what preempted tasks may hold; 0 never preempts",
     )
-    p.add_argument("--max-body-mb", type=float, default=16.0, help="largest accepted body")
+    p.add_argument(
+        "--max-body-mb", type=float, default=16.0, help="largest accepted body (413 over)"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client may take to send a request's headers (slowloris bound)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client may take to send a request's body (408 after)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
 
 
@@ -125,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from flowprefill.server.prefill import create_app
     from flowprefill.tp.backend import TPBackend
     from flowprefill.web.errors import BodySizeLimit
+    from flowprefill.web.limits import uvicorn_options
 
     config = resolve_config(args)
     backend = build_backend(config)
@@ -151,11 +167,12 @@ def run(args: argparse.Namespace) -> int:
         )
         server = uvicorn.Server(
             uvicorn.Config(
-                BodySizeLimit(app, int(args.max_body_mb * 2**20)),
+                BodySizeLimit(app, int(args.max_body_mb * 2**20), args.body_timeout),
                 host=args.host,
                 port=args.port,
                 timeout_graceful_shutdown=int(args.drain_timeout),
                 log_level="info",
+                **uvicorn_options(args.header_timeout),
             )
         )
         if tp is not None:

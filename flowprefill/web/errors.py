@@ -7,6 +7,7 @@ traceback.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -24,6 +25,7 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     499: "cancelled",
     500: "server_error",
@@ -111,11 +113,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class BodySizeLimit:
-    """ASGI middleware: refuse bodies over ``max_bytes`` with 413 before reading them all."""
+    """ASGI middleware: refuse bodies over ``max_bytes`` with 413 before reading them all,
+    and bodies not received within ``body_timeout_s`` of the request's start with 408.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    A declared ``Content-Length`` over the limit is answered at once (no body byte read);
+    a chunked body is counted as it streams in and cut off at the limit. The deadline
+    bounds a slowloris client that trickles its body (each byte in time for any per-read
+    timeout); it applies only until the body is complete, so receiving
+    ``http.disconnect`` later (the servers watch for a client that leaves) is not limited.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,14 +137,26 @@ class BodySizeLimit:
             await self._reject(send)
             return
         seen = 0
+        complete = False
+        loop = asyncio.get_running_loop()
+        deadline = None if self.body_timeout_s is None else loop.time() + self.body_timeout_s
 
         async def limited() -> Message:
             # Chunked bodies have no Content-Length: count as they stream in. FastAPI lets
             # an HTTPException raised while reading the body through to the handlers.
-            nonlocal seen
-            msg = await receive()
+            nonlocal seen, complete
+            if complete or deadline is None:
+                msg = await receive()
+            else:
+                try:
+                    msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise StarletteHTTPException(
+                        408, f"request body not received within {self.body_timeout_s:g} s"
+                    ) from None
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
+                complete = not msg.get("more_body", False)
                 if seen > self.max_bytes:
                     raise StarletteHTTPException(413, self._message())
             return msg

@@ -1,8 +1,9 @@
 """The prefill server under hostile and broken requests (hypothesis), over real HTTP.
 
 The real app (tiny model, real engine, ``http`` KV transport routes, the CLI's
-``BodySizeLimit``) on loopback; the properties are those of :mod:`tests.http_fuzz`: no
-5xx for a client's mistake, a 4xx names what was wrong, no hang, still serving after.
+``BodySizeLimit`` and uvicorn options) on loopback; the properties are those of
+:mod:`tests.http_fuzz`: no 5xx for a client's mistake, a 4xx names what was wrong, no
+hang, still serving after.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.server.kv_sink import directory_sink
 from flowprefill.server.prefill import create_app
 from flowprefill.web.errors import BodySizeLimit
+from flowprefill.web.limits import uvicorn_options
 from tests.helpers import serve_in_thread
 from tests.http_fuzz import (
     CONTENT_TYPES,
@@ -54,7 +56,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
         sink = directory_sink(Path(tmp_path_factory.mktemp("kv")), executor.model.config)
         app = create_app(engine, kv_sink=sink, kv_store=sink.transport)
         with (
-            serve_in_thread(BodySizeLimit(app, 64 * 1024)) as url,
+            serve_in_thread(BodySizeLimit(app, 64 * 1024, 10.0), **uvicorn_options(10.0)) as url,
             httpx.Client(base_url=url) as c,
         ):
             yield c
