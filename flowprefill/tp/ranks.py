@@ -349,11 +349,13 @@ class RankGroup:
         """Deliver ``command`` to every follower (in the same order on each)."""
         self.check_alive()
         with self._send_lock:
-            try:
-                for conn in self._conns:
+            for rank, conn in enumerate(self._conns, start=1):
+                try:
                     conn.send(command)
-            except (BrokenPipeError, ConnectionResetError, OSError) as e:
-                raise self._fail(f"a tensor-parallel rank stopped reading commands ({e})") from e
+                except (BrokenPipeError, ConnectionResetError, OSError) as e:
+                    # Name the rank: a send can notice a dead rank before the watcher does,
+                    # and the first failure is the one every later caller sees.
+                    raise self._fail(self._unreachable(rank, e)) from e
 
     def reports(self) -> list[dict[int, list[int]]]:
         """Per follower: checkpoint numbers at which each task parked."""
@@ -361,6 +363,15 @@ class RankGroup:
             for conn in self._conns:
                 conn.send((RankCommand.REPORT,))
             return [conn.recv() for conn in self._conns]
+
+    def _unreachable(self, rank: int, error: BaseException) -> str:
+        proc = self.processes[rank - 1]
+        proc.join(timeout=0.5)  # a broken pipe usually means the process is exiting
+        how = f"exited with code {proc.exitcode}" if proc.exitcode is not None else "is alive"
+        return (
+            f"tensor-parallel rank {rank} (pid {proc.pid}) stopped reading commands "
+            f"({error}); it {how}"
+        )
 
     def check_alive(self) -> None:
         if self._failure is not None:
