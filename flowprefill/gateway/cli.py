@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from flowprefill.contracts import GatewayConfig
 from flowprefill.contracts.deployment import GATEWAY_PORT
-from flowprefill.web.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
+from flowprefill.web.limits import add_client_limit_arguments
 
 if TYPE_CHECKING:
     from flowprefill.gateway.state import GatewayState
@@ -19,21 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-table", required=True, help="slo-table.json; reloaded when it changes")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=GATEWAY_PORT)
-    p.add_argument(
-        "--max-body-mb", type=float, default=32.0, help="largest accepted body (413 over)"
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=float,
-        default=DEFAULT_HEADER_TIMEOUT_S,
-        help="seconds a client may take to send a request's headers (slowloris bound)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=float,
-        default=DEFAULT_BODY_TIMEOUT_S,
-        help="seconds a client may take to send a request's body (408 after)",
-    )
+    add_client_limit_arguments(p, max_body_mb=32.0)
     p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds")
     p.add_argument(
         "--upstream-http",

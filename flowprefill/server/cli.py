@@ -14,7 +14,7 @@ from flowprefill.contracts.deployment import (
     PREFILL_PORT,
 )
 from flowprefill.contracts.engine import max_blocking_arg
-from flowprefill.web.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
+from flowprefill.web.limits import add_client_limit_arguments
 
 if TYPE_CHECKING:
     from flowprefill.engine import Predictor, PrefillBackend, PrefillEngine
@@ -64,21 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="override parked_memory_bytes (MiB): what preempted tasks may hold; 0 never preempts",
     )
-    p.add_argument(
-        "--max-body-mb", type=float, default=16.0, help="largest accepted body (413 over)"
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=float,
-        default=DEFAULT_HEADER_TIMEOUT_S,
-        help="seconds a client may take to send a request's headers (slowloris bound)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=float,
-        default=DEFAULT_BODY_TIMEOUT_S,
-        help="seconds a client may take to send a request's body (408 after)",
-    )
+    add_client_limit_arguments(p, max_body_mb=16.0)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
 
 

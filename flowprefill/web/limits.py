@@ -13,6 +13,7 @@ the app sees the body).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from typing import Any
@@ -89,3 +90,26 @@ def header_deadline_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
 def uvicorn_options(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.Config`` that bound what one slow client holds."""
     return {"http": header_deadline_protocol(header_timeout_s)}
+
+
+def add_client_limit_arguments(p: argparse.ArgumentParser, *, max_body_mb: float) -> None:
+    """The flags that bound what one client may cost a server (``serve-prefill`` and
+    ``serve-gateway`` alike): body size, and the time to send headers and body."""
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=max_body_mb,
+        help="largest accepted body (413 over)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client may take to send a request's headers (slowloris bound)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client may take to send a request's body (408 after)",
+    )

@@ -31,11 +31,11 @@ from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.gateway.app import create_gateway_app
 from flowprefill.gateway.cli import build_state
 from flowprefill.gateway.routing import Instance
+from flowprefill.local_decode import decode_env, decode_spec
 from flowprefill.models import load_model, named_model_dir
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.server.kv_sink import directory_sink
 from flowprefill.server.prefill import create_app
-from flowprefill.up import decode_env, decode_spec
 from tests.helpers import free_port, serve_in_thread
 
 pytestmark = [

@@ -24,11 +24,11 @@ import pytest
 from flowprefill.contracts.kv import HandoffRef
 from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.local_decode import decode_env, decode_spec
 from flowprefill.models import load_model
 from flowprefill.predictor.model import TTFTPredictor
 from flowprefill.server.kv_sink import directory_sink
 from flowprefill.server.prefill import create_app
-from flowprefill.up import decode_env, decode_spec
 from tests.helpers import free_port, serve_in_thread, silent_server
 
 pytestmark = [
