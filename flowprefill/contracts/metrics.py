@@ -31,6 +31,13 @@ OUTCOME_LABEL: Final = "outcome"
 # Gateway (flowprefill serve-gateway); the SLO counters feed SLOClass status.
 GATEWAY_SLO_REQUESTS: Final = "flowprefill_gateway_slo_requests"
 GATEWAY_TTFT: Final = "flowprefill_gateway_ttft_seconds"
+GATEWAY_TPOT: Final = "flowprefill_gateway_tpot_seconds"
+"""Histogram by class: time per output token after the first, of each request that
+decode continued ((last token - first token) / (tokens - 1)); the operator's autoscaler
+sizes decode pools from its p90."""
+GATEWAY_SHED: Final = "flowprefill_gateway_shed"
+"""Counter by class: requests refused at admission (HTTP 429) because they could not be
+served before their deadline; the operator writes the window's count into SLOClass status."""
 
 # Prefill instance (flowprefill serve-prefill).
 PREFILL_REQUESTS: Final = "flowprefill_prefill_requests"
@@ -43,5 +50,17 @@ PREFILL_PREEMPTIONS_DECLINED: Final = "flowprefill_prefill_preemptions_declined"
 """Counter: scheduling rounds in which a more urgent entry did not preempt the running
 task because parking it would have exceeded the parked-memory budget."""
 
+# Operator (flowprefill_operator): the autoscaler's decisions.
+OPERATOR_AUTOSCALER_DESIRED_REPLICAS: Final = "flowprefill_operator_autoscaler_desired_replicas"
+"""Gauge by namespace and pool: replicas the autoscaler last decided on."""
+OPERATOR_AUTOSCALER_DECISIONS: Final = "flowprefill_operator_autoscaler_decisions"
+"""Counter by namespace, pool and direction (up, down): replica changes it wrote."""
+NAMESPACE_LABEL: Final = "namespace"
+POOL_LABEL: Final = "pool"
+DIRECTION_LABEL: Final = "direction"
+
 TTFT_BUCKETS_S: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 """Histogram buckets of every TTFT metric (the classes' SLOs span 0.25 s to 18 s)."""
+
+TPOT_BUCKETS_S: Final = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+"""Histogram buckets of the TPOT metric (decode targets are tens of milliseconds)."""
