@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from flowprefill.contracts.metrics import GATEWAY_TPOT, TPOT_BUCKETS_S
 from flowprefill.gateway.errors import GatewayError
 from flowprefill.metrics import TTFT_BUCKETS_S
 
@@ -32,6 +33,13 @@ class GatewayMetrics:
             buckets=TTFT_BUCKETS_S,
             registry=r,
         )
+        self.tpot = Histogram(
+            GATEWAY_TPOT,
+            "Time per output token after the first, of requests decode continued, by SLO class.",
+            ["slo_class"],
+            buckets=TPOT_BUCKETS_S,
+            registry=r,
+        )
         self.in_flight = Gauge(
             "flowprefill_gateway_in_flight_requests", "Requests being served.", registry=r
         )
@@ -51,6 +59,12 @@ class GatewayMetrics:
         self.ttft.labels(slo_class).observe(ttft_s)
         self.slo_requests.labels(slo_class, "met" if met else "missed").inc()
         self.queue_time.labels(slo_class).observe(wait_s)
+
+    def decoded(self, slo_class: str, *, decode_s: float, num_tokens: int) -> None:
+        """``num_tokens`` (the first included) reached the client, the last ``decode_s``
+        after the first: one TPOT sample, unless decode added no token."""
+        if num_tokens > 1:
+            self.tpot.labels(slo_class).observe(decode_s / (num_tokens - 1))
 
     def failed(self, err: GatewayError) -> None:
         self.errors.labels(err.reason).inc()

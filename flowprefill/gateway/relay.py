@@ -8,7 +8,8 @@ and ends with an error event.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -21,14 +22,18 @@ from flowprefill.web.sse import DONE
 
 
 class Relay:
-    def __init__(self, model_name: str, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, model_name: str, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.model = model_name
         self.metrics = metrics
+        self.clock = clock
 
     async def stream(
         self, job: Job, first_text: str, pieces: AsyncGenerator[Piece, None]
     ) -> AsyncIterator[str]:
         """SSE events; a client gone mid-stream closes ``pieces`` (and decode) at once."""
+        first_s = self.clock()
         yield wire.chunk_event(job, self.model, first_text, None, first=True)
         options = job.body.stream_options
         try:
@@ -39,6 +44,7 @@ class Relay:
             self.metrics.failed(e)
             yield wire.error_event(e)
         else:  # as vLLM does: no usage after an error event
+            self._decoded(job, first_s)
             if options is not None and options.include_usage:
                 yield wire.usage_event(job, self.model)
         yield DONE
@@ -47,10 +53,18 @@ class Relay:
         self, job: Job, first_text: str, pieces: AsyncGenerator[Piece, None]
     ) -> dict[str, Any]:
         """The whole answer's body; raises :class:`GatewayError`."""
+        first_s = self.clock()
         texts = [first_text]
         finish = "length"
         async with aclosing(pieces):
             async for piece in pieces:
                 texts.append(piece.text)
                 finish = piece.finish_reason or finish
+        self._decoded(job, first_s)
         return wire.completion_body(job, self.model, "".join(texts), finish)
+
+    def _decoded(self, job: Job, first_s: float) -> None:
+        """TPOT of a finished request: the first token was handed over at ``first_s``."""
+        self.metrics.decoded(
+            job.slo.name, decode_s=self.clock() - first_s, num_tokens=job.num_completion_tokens
+        )
