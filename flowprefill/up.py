@@ -5,8 +5,9 @@ serve-prefill`` per prefill instance, vLLM's OpenAI server with the FlowPrefill 
 connector per decode instance, ``flowprefill serve-gateway`` in front. The supervisor
 writes their config files (engine.json, gateway.json, slo-table.json) into a run folder,
 profiles this machine once so every instance and the gateway share one TTFT predictor,
-waits for readiness, prints where to send requests, and stops everything on Ctrl-C — or
-when any child dies, showing the tail of its log.
+waits for readiness, prints where to send requests, restarts a child that dies (the
+gateway routes around it meanwhile; :mod:`flowprefill.supervisor`), and stops everything
+on Ctrl-C — or when a child keeps dying right after each start.
 
 SLO classes are the paper's four task types with Table 2's Llama-3-8B targets, scaled by
 how much slower this machine prefills than an A100 runs Llama-3-8B (both at 1024 tokens:
@@ -21,14 +22,12 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import httpx
 from rich.console import Console
 
 from flowprefill.contracts import (
@@ -52,7 +51,6 @@ from flowprefill.contracts.deployment import (
 from flowprefill.contracts.engine import MAX_TP_SIZE, max_blocking_arg
 from flowprefill.contracts.processes import (
     Launcher,
-    ProcessSpec,
     gateway_process,
     prefill_process,
 )
@@ -66,78 +64,9 @@ from flowprefill.local_decode import (
     decode_spec,
 )
 from flowprefill.local_slo import SCALE_AT_TOKENS, load_slo_table, machine_scale, slo_table
+from flowprefill.supervisor import Child, CrashLoopError, RestartPolicy, Supervisor
 
 N = TypeVar("N", bound=Name)
-
-
-@dataclass
-class Child:
-    """One supervised process, rendered from its :class:`ProcessSpec`."""
-
-    name: str
-    process: ProcessSpec
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment of this machine on top of the process's own (caches, offline mode)."""
-    nice: int = 0
-    """Niceness added to the process (and everything it starts): lower CPU priority when
-    it competes for this machine's cores with the other children."""
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def cmd(self) -> list[str]:
-        return self.process.argv
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.process.port}"
-
-    def start(self) -> None:
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # The user's environment may override what the process description sets.
-            env={**self.process.env, **os.environ, **self.env},
-            start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
-            preexec_fn=_niceness(self.nice),
-        )
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def ready(self) -> bool:
-        try:
-            return httpx.get(self.url + self.process.ready_path, timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)  # graceful: drain in-flight requests
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def _niceness(nice: int) -> Callable[[], None] | None:
-    if nice <= 0:
-        return None
-
-    def lower_priority() -> None:  # in the child, before exec: inherited by its children
-        os.nice(nice)
-
-    return lower_priority
 
 
 def name_arg(enum: type[N]) -> Callable[[str], N]:
@@ -265,6 +194,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cores, the first token comes first (0: equal priority; docs/stack.md)",
     )
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy.max_quick_deaths,
+        help="stop the stack when a child dies this many times in a row, each soon after "
+        "starting (a crash loop); a child that dies later is restarted; 0: never give up",
+    )
     p.add_argument(
         "--kv-transport",
         default=KVTransport.SHARED_DIR,
@@ -409,27 +345,14 @@ def supervise(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    supervisor = Supervisor(children, console, RestartPolicy(max_quick_deaths=args.max_restarts))
     try:
-        for c in children:
-            c.start()
-        deadline = time.monotonic() + args.startup_timeout
-        with console.status("starting") as status:
-            pending = list(children)
-            while pending and not stopping:
-                for c in list(pending):
-                    if not c.alive():
-                        console.print(f"[red]{c.name} exited during start-up[/red]\n{c.log_tail()}")
-                        return 1
-                    if c.ready():
-                        pending.remove(c)
-                status.update("waiting for " + ", ".join(c.name for c in pending))
-                if time.monotonic() > deadline:
-                    names = ", ".join(c.name for c in pending)
-                    console.print(f"[red]not ready after {args.startup_timeout:.0f} s: {names}")
-                    return 1
-                time.sleep(0.5)
+        failure = supervisor.start_all(args.startup_timeout, lambda: stopping)
         if stopping:
             return 130
+        if failure:
+            console.print(f"[red]{failure}[/red]")
+            return 1
         classes = ", ".join(f"{c.name} {c.ttft_slo_ms} ms" for c in table.classes)
         console.print(
             f"[green]FlowPrefill is up[/green] at [b]{gw_url}/v1[/b] (model {args.model!r})"
@@ -449,12 +372,11 @@ def supervise(
         )
         console.print(f"configs and logs: {run_dir}; Ctrl-C stops everything")
         while not stopping:
-            for c in children:
-                if not c.alive():
-                    console.print(f"[red]{c.name} died[/red]; stopping the stack\n{c.log_tail()}")
-                    return 1
+            supervisor.tick()
             time.sleep(0.5)
         return 0
+    except CrashLoopError as e:
+        console.print(f"[red]{e}[/red]\nstopping the stack")
+        return 1
     finally:
-        for c in reversed(children):  # gateway first: no new requests while others drain
-            c.stop()
+        supervisor.stop_all()

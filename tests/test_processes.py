@@ -30,7 +30,8 @@ from flowprefill.contracts.deployment import (
 )
 from flowprefill.contracts.processes import Launcher
 from flowprefill.local_decode import decode_args
-from flowprefill.up import Child, add_arguments, plan_stack
+from flowprefill.supervisor import Child
+from flowprefill.up import add_arguments, plan_stack
 
 pytest.importorskip("kopf")
 

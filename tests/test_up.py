@@ -212,7 +212,7 @@ def test_decode_yields_the_shared_cores_to_prefill(
 def test_a_nice_child_and_its_children_run_at_lower_priority(tmp_path: Path) -> None:
     from flowprefill.contracts.names import Role
     from flowprefill.contracts.processes import ProcessSpec
-    from flowprefill.up import Child
+    from flowprefill.supervisor import Child
 
     script = "import os, subprocess, sys; print(os.getpriority(os.PRIO_PROCESS, 0)); " + (
         "sys.stdout.flush(); subprocess.run([sys.executable, '-c', "

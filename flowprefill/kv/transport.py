@@ -21,6 +21,7 @@ protocol and register a name in :func:`make_transport`; the connector picks one 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import threading
@@ -130,10 +131,12 @@ class SharedDirTransport:
         return  # the consumer keeps no copy: the directory is the producer's
 
     def sweep(self, max_age_s: float, now_s: float | None = None) -> int:
-        """Delete hand-offs older than ``max_age_s`` (by mtime); returns how many."""
+        """Delete hand-offs older than ``max_age_s`` (by mtime), and temp files as old (a
+        writer killed mid-write leaves one: its ``finally`` never ran); returns how many."""
         cutoff = (time.time() if now_s is None else now_s) - max_age_s
         removed = 0
-        for path in self.root.glob(f"*{SUFFIX}"):
+        written = self.root.glob(f"*{SUFFIX}")
+        for path in itertools.chain(written, self.root.glob(f".*{SUFFIX}.*.tmp")):
             try:
                 if path.stat().st_mtime < cutoff:
                     path.unlink()

@@ -204,6 +204,19 @@ def test_transport_sweeps_old_handoffs(tmp_path: Path) -> None:
     assert transport.header("new")
 
 
+def test_transport_sweeps_what_a_killed_writer_left(tmp_path: Path) -> None:
+    """A prefill killed mid-write leaves its temp file; the age sweep removes it too."""
+    transport = SharedDirTransport(tmp_path)
+    final = transport.path("req-1")
+    stale = final.with_name(f".{final.name}.4242.tmp")
+    fresh = final.with_name(f".{final.name}.4343.tmp")  # being written right now
+    stale.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    os.utime(stale, (1000.0, 1000.0))
+    assert transport.sweep(max_age_s=60) == 1
+    assert not stale.exists() and fresh.exists()
+
+
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", ".hidden", "-x", "a..b", "x" * 129, "a b"])
 def test_handoff_ids_are_safe_file_names(tmp_path: Path, bad: str) -> None:
     with pytest.raises(KVHandoffError):
