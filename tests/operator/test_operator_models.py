@@ -67,7 +67,9 @@ def test_servingpool_scale_and_printer_columns() -> None:
         "labelSelectorPath": ".status.selector",
     }
     names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names == ["Service", "Role", "Desired", "Ready", "Phase", "Age"]
+    assert names == [
+        "Service", "Role", "Desired", "Current", "Ready", "Owner", "Phase", "Last-Decision", "Age"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -150,6 +152,20 @@ BAD_POOLS = [
     ({"kvHandoff": {"transport": "nfs"}}, "transport"),
     ({"kvHandoff": {"transport": "http", "maxAgeSeconds": 1}}, "maxAgeSeconds"),
     ({"unknownField": 1}, "unknownField"),
+    ({"replicasOwner": "operator"}, "replicasOwner operator needs an autoscaling block"),
+    ({"replicasOwner": "hpa"}, "replicasOwner"),
+    ({"autoscaling": {"minReplicas": 1}}, "maxReplicas"),
+    ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas must not exceed"),
+    (
+        {"autoscaling": {"maxReplicas": 4, "shortWindowSeconds": 600, "longWindowSeconds": 600}},
+        "shortWindowSeconds must be shorter",
+    ),
+    (
+        {"autoscaling": {"maxReplicas": 4, "scaleUpBurnRate": 1, "scaleDownBurnRate": 1}},
+        "scaleDownBurnRate must be lower",
+    ),
+    ({"autoscaling": {"maxReplicas": 4, "longWindowSeconds": 86_400}}, "longWindowSeconds"),
+    ({"autoscaling": {"maxReplicas": 4, "gpuBudget": -1}}, "gpuBudget"),
 ]
 
 
@@ -218,6 +234,16 @@ def test_good_pool_passes_both(crd_schemas: Any) -> None:
     obj = _pool(engine={"chunkSize": 2048}, resources={"gpusPerPod": 1})
     assert validate_cr(obj, crd_schemas) == []
     ServingPoolSpec.model_validate(obj["spec"])
+
+
+def test_autoscaled_pool_passes_both_with_defaults(crd_schemas: Any) -> None:
+    obj = _pool(replicasOwner="operator", autoscaling={"maxReplicas": 8, "gpuBudget": 16})
+    assert validate_cr(obj, crd_schemas) == []
+    spec = ServingPoolSpec.model_validate(obj["spec"])
+    assert spec.autoscaling is not None
+    assert (spec.autoscaling.min_replicas, spec.autoscaling.long_window_seconds) == (1, 3600)
+    # Unset owner: external, as before the field existed (an HPA keeps its pool).
+    assert ServingPoolSpec.model_validate(_pool()["spec"]).replicas_owner == "external"
 
 
 def test_role_and_service_are_immutable(crd_schemas: Any) -> None:

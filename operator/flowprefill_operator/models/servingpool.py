@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from flowprefill.contracts.engine import MAX_TP_SIZE
 
+from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscaling, ReplicasOwner
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
 
 MAX_GPUS_PER_POD = 16
@@ -348,6 +349,10 @@ class ServingPoolSpec(CRModel):
                     + ")",
                     VLLM_ARGS_TP_REFUSED,
                 ),
+                cel(
+                    "self.replicasOwner != 'operator' || has(self.autoscaling)",
+                    OPERATOR_NEEDS_AUTOSCALING,
+                ),
                 cel("self.role == oldSelf.role", "role is immutable"),
                 cel("self.service == oldSelf.service", "service is immutable"),
             ]
@@ -361,7 +366,19 @@ class ServingPoolSpec(CRModel):
     )
     role: Role = Field(description="prefill or decode (one pool per role).")
     replicas: int = Field(
-        default=1, ge=0, le=1024, description="Pods in the pool; owned by /scale (kubectl, HPA)."
+        default=1,
+        ge=0,
+        le=1024,
+        description="Pods in the pool; written through /scale by its owner (replicasOwner).",
+    )
+    replicas_owner: ReplicasOwner = Field(
+        default="external",
+        description="Who writes replicas: external (kubectl scale, an HPA, you; the operator "
+        "only reads them) or operator (its autoscaler, per the autoscaling block).",
+    )
+    autoscaling: Autoscaling | None = Field(
+        default=None,
+        description="The operator's autoscaler (acts only with replicasOwner operator).",
     )
     model: ModelSource = Field(description="Model weights and served name.")
     image: str | None = Field(
@@ -413,6 +430,8 @@ class ServingPoolSpec(CRModel):
             )
         if any(sets_tensor_parallel(a) for a in self.vllm_args):
             raise ValueError(VLLM_ARGS_TP_REFUSED)
+        if self.replicas_owner == "operator" and self.autoscaling is None:
+            raise ValueError(OPERATOR_NEEDS_AUTOSCALING)
         return self
 
     @property
@@ -452,4 +471,9 @@ class ServingPoolStatus(CRModel):
         default_factory=list,
         description="Ready, Progressing and Degraded.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    autoscaler: AutoscalerStatus | None = Field(
+        default=None,
+        description="The operator's autoscaler (replicasOwner operator): last decision and "
+        "scale times; written by the autoscaler only.",
     )

@@ -131,6 +131,11 @@ class SLOClassStatus(CRModel):
     request_count: int | None = Field(
         default=None, description="Requests of this class the gateways finished in the window."
     )
+    shed_count: int | None = Field(
+        default=None,
+        description="Requests of this class the gateways refused at admission (HTTP 429: "
+        "they could not be served before their deadline) in the window.",
+    )
     window_seconds: int | None = Field(
         default=None, description="Length of the window the attainment covers."
     )
