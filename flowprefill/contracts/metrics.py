@@ -31,9 +31,6 @@ OUTCOME_LABEL: Final = "outcome"
 # Gateway (flowprefill serve-gateway); the SLO counters feed SLOClass status.
 GATEWAY_SLO_REQUESTS: Final = "flowprefill_gateway_slo_requests"
 GATEWAY_TTFT: Final = "flowprefill_gateway_ttft_seconds"
-GATEWAY_SHED: Final = "flowprefill_gateway_shed"
-"""Counter (``_total``) by ``slo_class``: requests of a sheddable class refused at arrival
-(429) because no prefill instance was predicted to make their deadline."""
 GATEWAY_TPOT: Final = "flowprefill_gateway_tpot_seconds"
 """Histogram by class: time per output token after the first, of each request that
 decode continued ((last token - first token) / (tokens - 1)); the operator's autoscaler
