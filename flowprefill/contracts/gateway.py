@@ -27,6 +27,24 @@ class Endpoint(_Contract):
         return cls(pool=pool, host=host, port=port, url=f"http://{host}:{port}")
 
 
+class HealthProbeSettings(_Contract):
+    """How the gateway probes its instances' liveness to find stalled ones
+    (:mod:`flowprefill.gateway.health`): detected within ``failures × (interval_s +
+    timeout_s)``."""
+
+    interval_s: float = Field(default=1.0, gt=0, le=60, description="Time between probes.")
+    timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="A probe not answered in this time failed. /health is answered by the "
+        "server's event loop, never behind a prefill, so a second is generous.",
+    )
+    failures: int = Field(
+        default=2, ge=1, le=100, description="Failed probes in a row that mark it stalled."
+    )
+
+
 class GatewayConfig(_Contract):
     """``gateway.json`` of a service's gateway."""
 
@@ -49,4 +67,8 @@ class GatewayConfig(_Contract):
     )
     predictor_path: str | None = Field(
         default=None, description="TTFT profile JSON for slack-aware routing; null = linear."
+    )
+    health_probe: HealthProbeSettings = Field(
+        default_factory=HealthProbeSettings,
+        description="Liveness probing of every instance, to route around stalled ones.",
     )

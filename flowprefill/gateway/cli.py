@@ -76,6 +76,7 @@ def build_state(
         else None,
         prefill_client=PrefillClient(client),
         decode_client=DecodeClient(client, model=str(model_dir)) if decode_urls else None,
+        health_probe=config.health_probe,
     )
 
 

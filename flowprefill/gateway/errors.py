@@ -6,6 +6,8 @@ the status the client gets and the ``reason`` label of ``flowprefill_gateway_err
 - :class:`UpstreamError`: a prefill or decode instance failed, refused, timed out or
   answered 4xx (passed through); ``reason`` is ``<role>_<what>``.
 - :class:`NoHealthyInstanceError`: every instance of a pool is backing off (503).
+- :class:`ShedError`: a sheddable class's request no instance can serve before its
+  deadline (429 with ``Retry-After``; :mod:`flowprefill.gateway.admission`).
 - :class:`~flowprefill.web.disconnect.ClientDisconnected`: the client left (499).
 """
 
@@ -21,13 +23,28 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status = status
         self.reason = reason
+        self.type_: str | None = None
+        """The OpenAI error ``type`` (None: the status's usual one)."""
+        self.headers: dict[str, str] = {}
+        """Headers the error answer carries (``Retry-After``)."""
 
 
 class UpstreamError(GatewayError):
-    def __init__(self, status: int, message: str, reason: str, retryable: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        reason: str,
+        retryable: bool = False,
+        *,
+        connection_lost: bool = False,
+    ) -> None:
         super().__init__(status, message, reason)
         self.retryable = retryable
         """True only when nothing was processed (connection refused): safe to try elsewhere."""
+        self.connection_lost = connection_lost
+        """The instance broke the connection (died) or stalled instead of answering with an
+        HTTP error: safe to try elsewhere if nothing had been received from it."""
 
 
 class NoHealthyInstanceError(GatewayError):
@@ -35,6 +52,29 @@ class NoHealthyInstanceError(GatewayError):
 
     def __init__(self, role: str) -> None:
         super().__init__(503, f"no healthy {role} instance", f"no_{role}_instance")
+
+
+SHED_REASON = "shed"
+
+
+class ShedError(GatewayError):
+    """Refused at arrival: the request's class is sheddable and no prefill instance is
+    predicted to produce its first token before its deadline. Nothing was sent upstream."""
+
+    def __init__(
+        self, slo_class: str, *, ttft_slo_s: float, best_finish_in_s: float, retry_after_s: float
+    ) -> None:
+        super().__init__(
+            429,
+            f"SLO class {slo_class!r} is sheddable and cannot be served within its "
+            f"{ttft_slo_s * 1e3:.0f} ms TTFT target now: the earliest predicted first token "
+            f"is {best_finish_in_s:.2f} s away; retry after {retry_after_s:.0f} s",
+            SHED_REASON,
+        )
+        self.slo_class = slo_class
+        self.retry_after_s = retry_after_s
+        self.type_ = "rate_limit_exceeded"
+        self.headers = {"retry-after": str(max(1, round(retry_after_s)))}
 
 
 class ClientError(Exception):

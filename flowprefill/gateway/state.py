@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flowprefill.contracts.gateway import HealthProbeSettings
 from flowprefill.gateway.classify import SLOTableFile
 from flowprefill.gateway.metrics import GatewayMetrics
 from flowprefill.gateway.routing import InstancePool
@@ -28,3 +29,5 @@ class GatewayState:
     """Monotonic seconds: arrival, deadlines, TTFT."""
     table_refresh_s: float = 1.0
     """How often the SLO table file is checked for changes."""
+    health_probe: HealthProbeSettings | None = field(default_factory=HealthProbeSettings)
+    """Liveness probing of the instances (flowprefill.gateway.health); None: off."""

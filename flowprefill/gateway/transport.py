@@ -70,7 +70,10 @@ def _timed_out(role: str, url: str) -> UpstreamError:
 
 def _failed(role: str, url: str, exc: BaseException) -> UpstreamError:
     return UpstreamError(
-        502, f"{role} instance {url} failed mid-request ({type(exc).__name__})", f"{role}_failed"
+        502,
+        f"{role} instance {url} failed mid-request ({type(exc).__name__})",
+        f"{role}_failed",
+        connection_lost=True,
     )
 
 
