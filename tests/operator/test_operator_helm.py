@@ -35,8 +35,21 @@ CASES: dict[str, list[str]] = {
         "--set",
         "grafanaDashboard.enabled=true",
         "--set",
+        "prometheusRule.enabled=true",
+        "--set",
         "image.digest=sha256:" + "a" * 64,
     ],
+    "policies-tightened": [
+        "--set",
+        "watch.scope=namespaced",
+        "--set",
+        "networkPolicy.gatewayFrom[0].namespaceSelector.matchLabels.team=frontend",
+        "--set",
+        "networkPolicy.apiServerCIDRs={10.0.0.1/32}",
+        "--set",
+        "networkPolicy.kvOverHttp=false",
+    ],
+    "no-policies": ["--set", "networkPolicy.enabled=false"],
 }
 
 
@@ -71,8 +84,10 @@ def test_rendered_manifests_validate(helm: Path, case: str) -> None:
     kinds = set()
     for doc in docs:
         kinds.add(doc["kind"])
-        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+        if doc["kind"] == "ServiceMonitor":
             assert doc["spec"]["endpoints"][0]["port"] == "http"  # no schema for this CRD here
+        elif doc["kind"] == "PrometheusRule":  # the rules themselves: test_dashboard.py
+            assert doc["spec"]["groups"][0]["rules"], "no recording rules"
         elif doc["apiVersion"].startswith("kopf.dev/"):
             assert (doc["apiVersion"], doc["kind"]) in crds
         else:
@@ -151,6 +166,13 @@ def test_values_schema_refuses_bad_values(helm: Path) -> None:
     assert typo.returncode != 0
     unpeered = run(helm, "template", "fp", str(CHART), "--set", "replicaCount=2")
     assert unpeered.returncode != 0 and "peering" in unpeered.stderr
+    for bad_policy in (
+        "networkPolicy.apiServerCIDRs={10.0.0.1}",  # no prefix length
+        "networkPolicy.apiServerPorts={70000}",
+        "networkPolicy.gatewayFrom[0].podSelectr.matchLabels.a=b",  # typo'd peer field
+    ):
+        refused = run(helm, "template", "fp", str(CHART), "--set", bad_policy)
+        assert refused.returncode != 0 and "networkPolicy" in refused.stderr, bad_policy
 
 
 def test_chart_crds_are_the_generated_ones(repo_root: Path) -> None:
@@ -199,7 +221,7 @@ def test_grafana_dashboard_covers_the_paper_metrics(helm: Path) -> None:
         d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")
     )
     dashboard = json.loads(cm["data"]["flowprefill.json"])
-    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
     for metric in (
         "flowprefill_gateway_ttft_seconds_bucket",
         "flowprefill_gateway_slo_requests_total",

@@ -82,3 +82,30 @@ app.kubernetes.io/component: operator
   resources: [{{ if eq .Values.watch.scope "cluster" }}"clusterkopfpeerings"{{ else }}"kopfpeerings"{{ end }}]
   verbs: ["get", "list", "watch", "patch"]
 {{- end -}}
+
+{{/* Ports of the pods the operator creates: flowprefill/contracts/deployment.py
+(GATEWAY_PORT, PREFILL_PORT, DECODE_PORT); a test checks the two agree. Each serves its
+API and /metrics on this one port. */}}
+{{- define "flowprefill.gatewayPort" -}}8000{{- end -}}
+{{- define "flowprefill.prefillPort" -}}8100{{- end -}}
+{{- define "flowprefill.decodePort" -}}8200{{- end -}}
+
+{{/* Namespaces that get the workload NetworkPolicies: the watched ones in namespaced mode;
+networkPolicy.namespaces (else the release namespace) in cluster mode, where the chart
+cannot know every namespace the operator will serve. */}}
+{{- define "flowprefill.policyNamespaces" -}}
+{{- if ne .Values.watch.scope "cluster" -}}
+{{- include "flowprefill.watchedNamespaces" . -}}
+{{- else if .Values.networkPolicy.namespaces -}}
+{{- join "," .Values.networkPolicy.namespaces -}}
+{{- else -}}
+{{- .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pods of one role the operator created (builders/common.py: component_labels). */}}
+{{- define "flowprefill.childSelector" -}}
+matchLabels:
+  app.kubernetes.io/managed-by: flowprefill-operator
+  flowprefill.io/role: {{ . }}
+{{- end -}}

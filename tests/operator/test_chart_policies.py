@@ -1,0 +1,255 @@
+"""The chart's NetworkPolicies and namespaced RBAC, rendered by the real helm binary.
+
+Pods are the ones the operator's builders make from examples/llama3-8b.yaml (their labels
+and ports), so a label or port that drifts between the builders, the contracts and the
+chart fails here. Who may reach whom is evaluated with NetworkPolicy semantics
+(tests/operator/chart.py), both directions (the operator's egress, the pods' ingress).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from flowprefill_operator import MANAGED_BY
+from flowprefill_operator.builders import (
+    PoolRef,
+    SLOClassView,
+    build_gateway_children,
+    build_pool_children,
+    build_slo_table,
+    judge_classes,
+)
+from flowprefill_operator.builders.common import ROLE_LABEL
+from flowprefill_operator.models import ServingPoolSpec, SLOClassSpec
+from flowprefill_operator.settings import OperatorSettings
+
+from flowprefill.contracts.deployment import DECODE_PORT, GATEWAY_PORT, PREFILL_PORT
+from tests.operator.chart import (
+    CHART,
+    RELEASE_NAMESPACE,
+    Manifest,
+    Pod,
+    allowed,
+    render,
+    selects,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama3-8b.yaml"
+PORTS = {"gateway": GATEWAY_PORT, "prefill": PREFILL_PORT, "decode": DECODE_PORT}
+NAMESPACED = ["--set", "watch.scope=namespaced", "--set", "watch.namespaces={team-a,team-b}"]
+
+
+def policies(*args: str) -> list[Manifest]:
+    return [d for d in render(*args) if d["kind"] == "NetworkPolicy"]
+
+
+def example_children(namespace: str) -> list[Manifest]:
+    """What the operator creates in ``namespace`` for the example's two pools."""
+    docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d["kind"] == "ServingPool"]
+    pools = [
+        PoolRef(
+            d["metadata"]["name"], namespace, f"uid-{i}", ServingPoolSpec.model_validate(d["spec"])
+        )
+        for i, d in enumerate(docs)
+    ]
+    classes = [SLOClassView("chat", {}, "t0", 1, SLOClassSpec(task_type="text", ttft_slo_ms=250))]
+    table = build_slo_table(classes, [None], judge_classes(classes, {}), {})
+    settings = OperatorSettings()
+    return [
+        *(m for p in pools for m in build_pool_children(p, settings)),
+        *build_gateway_children(pools, table, settings),
+    ]
+
+
+def pods(namespace: str) -> dict[str, tuple[Pod, int]]:
+    """role -> (a pod of that role as the builders label it, its container port)."""
+    out = {}
+    for dep in (m for m in example_children(namespace) if m["kind"] == "Deployment"):
+        template = dep["spec"]["template"]
+        labels = template["metadata"]["labels"]
+        (port,) = [p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]]
+        out[labels[ROLE_LABEL]] = (Pod(namespace, dict(labels)), port)
+    assert set(out) == {"gateway", "prefill", "decode"}
+    return out
+
+
+def operator_pod(docs: list[Manifest]) -> Pod:
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    return Pod(RELEASE_NAMESPACE, dict(dep["spec"]["template"]["metadata"]["labels"]))
+
+
+PROMETHEUS = Pod("monitoring", {"app.kubernetes.io/name": "prometheus"}, ip="10.244.9.9")
+CLIENT = Pod("apps", {"app": "chat-frontend"}, ip="10.244.7.7")
+API_SERVER = Pod("default", {"component": "apiserver"}, ip="10.96.0.1")
+
+
+def test_ports_and_labels_agree_with_the_contracts_and_builders() -> None:
+    nps = {p["metadata"]["name"].rsplit("-", 1)[1]: p for p in policies(*NAMESPACED)}
+    for role, (pod, container_port) in pods("team-a").items():
+        assert container_port == PORTS[role]  # builders use the contracts' ports
+        selecting = [n for n, p in nps.items() if selects(p["spec"]["podSelector"], pod.labels)]
+        assert selecting == [role], f"{role} pods are selected by {selecting}"
+        ingress_ports = {pt["port"] for r in nps[role]["spec"]["ingress"] for pt in r["ports"]}
+        assert ingress_ports == {PORTS[role]}, role
+    selector = nps["gateway"]["spec"]["podSelector"]["matchLabels"]
+    assert selector == {"app.kubernetes.io/managed-by": MANAGED_BY, ROLE_LABEL: "gateway"}
+
+
+def test_who_may_reach_whom_in_namespaced_mode() -> None:
+    docs = render(*NAMESPACED)
+    nps = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    a, b = pods("team-a"), pods("team-b")
+    gw, gw_port = a["gateway"]
+    prefill, prefill_port = a["prefill"]
+    decode, decode_port = a["decode"]
+    operator = operator_pod(docs)
+    stranger = Pod("team-a", {"app": "something-else"})
+
+    def ok(src: Pod, dst: Pod, port: int) -> bool:
+        return allowed(nps, src, dst, port)
+
+    # The request path, and KV hand-offs pulled by decode from prefill.
+    assert ok(CLIENT, gw, gw_port)
+    assert ok(gw, prefill, prefill_port) and ok(gw, decode, decode_port)
+    assert ok(decode, prefill, prefill_port)
+    # Nobody else reaches prefill (whose port also serves GET /v1/kv/<id>) or decode.
+    for src in (CLIENT, stranger, operator, b["gateway"][0], b["decode"][0]):
+        assert not ok(src, prefill, prefill_port), src
+        assert not ok(src, decode, decode_port), src
+    assert not ok(prefill, decode, decode_port)
+    # Metrics: Prometheus everywhere, the operator at the gateways (and only there).
+    for dst, port in (a["gateway"], a["prefill"], a["decode"]):
+        assert ok(PROMETHEUS, dst, port)
+    assert ok(operator, gw, gw_port) and ok(operator, b["gateway"][0], gw_port)
+    # The operator's own egress: the API server, DNS, watched namespaces' gateways only.
+    assert ok(operator, API_SERVER, 443) and ok(operator, API_SERVER, 6443)
+    assert ok(operator, Pod("kube-system", {"k8s-app": "kube-dns"}), 53)
+    assert not ok(operator, API_SERVER, 80)
+    assert not ok(operator, Pod("team-c", dict(gw.labels)), gw_port)
+    # And its ingress: the probe port only.
+    probe = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    probe_port = probe["containers"][0]["ports"][0]["containerPort"]
+    assert ok(CLIENT, operator, probe_port) and not ok(CLIENT, operator, 9999)
+
+
+def test_policies_exist_in_every_watched_namespace_and_validate() -> None:
+    nps = policies(*NAMESPACED)
+    where = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in nps}
+    for ns in ("team-a", "team-b"):
+        for role in PORTS:
+            assert (ns, f"fp-flowprefill-{role}") in where
+    assert (RELEASE_NAMESPACE, "fp-flowprefill-operator") in where
+    assert len(nps) == 7
+    for p in nps:
+        kubernetes_validate.validate(p, "1.33", strict=True)
+
+
+def test_cluster_scope_puts_policies_where_told() -> None:
+    default = policies()
+    assert {p["metadata"]["namespace"] for p in default} == {RELEASE_NAMESPACE}
+    listed = policies("--set", "networkPolicy.namespaces={serving,batch}")
+    assert {p["metadata"]["namespace"] for p in listed} == {"serving", "batch", RELEASE_NAMESPACE}
+    operator = next(p for p in listed if p["metadata"]["name"].endswith("-operator"))
+    assert operator["metadata"]["namespace"] == RELEASE_NAMESPACE
+    gw, port = pods("anywhere")["gateway"]
+    assert allowed(listed, operator_pod(render()), gw, port)  # cluster scope: any namespace
+
+
+def test_values_tighten_the_defaults() -> None:
+    args = [
+        *NAMESPACED,
+        "--set", "networkPolicy.gatewayFrom[0].ipBlock.cidr=10.244.7.0/24",
+        "--set", "networkPolicy.kvOverHttp=false",
+        "--set", "networkPolicy.metricsFrom=null",
+        "--set", "networkPolicy.apiServerCIDRs={10.96.0.1/32}",
+        "--set", "networkPolicy.apiServerPorts={443}",
+    ]  # fmt: skip
+    docs = render(*args)
+    nps = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    a = pods("team-a")
+    gw, gw_port = a["gateway"]
+    prefill, prefill_port = a["prefill"]
+    operator = operator_pod(docs)
+    assert allowed(nps, CLIENT, gw, gw_port)  # inside the CIDR
+    assert not allowed(nps, Pod("apps", {}, ip="10.1.0.5"), gw, gw_port)
+    assert allowed(nps, operator, gw, gw_port)  # the operator still scrapes
+    assert not allowed(nps, a["decode"][0], prefill, prefill_port)  # no KV over http
+    assert allowed(nps, gw, prefill, prefill_port)
+    assert not allowed(nps, PROMETHEUS, prefill, prefill_port)
+    assert allowed(nps, operator, API_SERVER, 443)
+    assert not allowed(nps, operator, API_SERVER, 6443)
+    assert not allowed(nps, operator, Pod("default", {}, ip="192.168.1.1"), 443)
+    for p in nps:
+        kubernetes_validate.validate(p, "1.33", strict=True)
+
+
+def test_disabling_renders_no_policy() -> None:
+    for mode in ([], NAMESPACED):
+        assert policies(*mode, "--set", "networkPolicy.enabled=false") == []
+        assert policies(*mode)  # on by default
+
+
+# ------------------------------------------------------------------------------ RBAC
+
+EVERYTHING = [
+    "--set", "serviceMonitor.enabled=true",
+    "--set", "grafanaDashboard.enabled=true",
+    "--set", "prometheusRule.enabled=true",
+]  # fmt: skip
+# mode -> (helm arguments, the namespaces the operator watches)
+NAMESPACED_MODES: dict[str, tuple[list[str], set[str]]] = {
+    "namespaced": (NAMESPACED, {"team-a", "team-b"}),
+    "namespaced-release-only": (["--set", "watch.scope=namespaced"], {RELEASE_NAMESPACE}),
+    "namespaced-ha-everything": (
+        [*NAMESPACED, "--set", "replicaCount=2", "--set", "peering.enabled=true", *EVERYTHING],
+        {"team-a", "team-b"},
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", NAMESPACED_MODES)
+def test_namespaced_mode_grants_nothing_cluster_wide(mode: str) -> None:
+    args, watched = NAMESPACED_MODES[mode]
+    docs = render(*args)
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}, kinds
+    for doc in docs:  # nothing cluster-scoped at all (the CRDs come from crds/, not here)
+        assert doc["metadata"].get("namespace"), f"{doc['kind']} {doc['metadata']['name']}"
+    roles = [d for d in docs if d["kind"] == "Role"]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert {r["metadata"]["namespace"] for r in roles} == watched
+    assert {b["metadata"]["namespace"] for b in bindings} == watched
+    for rule in (r for role in roles for r in role["rules"]):
+        # Only namespaced resources: a Role cannot grant cluster-scoped ones anyway, and
+        # kopf falls back without them (docs/operator.md, "Network policies and RBAC").
+        assert not {"customresourcedefinitions", "namespaces", "clusterkopfpeerings"} & set(
+            rule["resources"]
+        ), rule
+    for binding in bindings:
+        assert binding["roleRef"]["kind"] == "Role"
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "fp-flowprefill", "namespace": RELEASE_NAMESPACE}
+        ]
+
+
+def test_cluster_mode_is_where_the_cluster_role_lives() -> None:
+    docs = render()
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    crd_rule = [r for r in role["rules"] if "customresourcedefinitions" in r["resources"]]
+    assert crd_rule and set(crd_rule[0]["verbs"]) == {"get", "list", "watch"}
+    assert {d["kind"] for d in docs} >= {"ClusterRoleBinding"}
+
+
+def test_chart_ports_are_the_contracts(repo_root: Path) -> None:
+    """The chart spells the ports once, in _helpers.tpl; they must be the contracts'."""
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    for name, port in (
+        ("gatewayPort", GATEWAY_PORT),
+        ("prefillPort", PREFILL_PORT),
+        ("decodePort", DECODE_PORT),
+    ):
+        assert f'define "flowprefill.{name}" -}}}}{port}{{{{' in helpers, name
+    assert (repo_root / "charts" / "flowprefill") == CHART
