@@ -1,5 +1,9 @@
 """The SLO table ``flowprefill up`` serves: the paper's four classes scaled to how much
-slower this machine prefills than an A100 runs Llama-3-8B, or the user's ``--slo-table``."""
+slower this machine prefills than an A100 runs Llama-3-8B, or the user's ``--slo-table``.
+
+``up`` is one user's stack, so its own tables let every client claim every class by name
+(``x-slo-class``) and tighten its TTFT target (:meth:`SLOTable.open_to_anyone`); a full
+slo-table.json passed with ``--slo-table`` keeps the claim rules it states."""
 
 from __future__ import annotations
 
@@ -16,14 +20,16 @@ SCALE_AT_TOKENS = 1024
 
 
 def slo_table(scale: float) -> SLOTable:
-    """The paper's four classes (Table 2, Llama-3-8B) scaled to this machine."""
-    return SLOTable.paper(scale=scale)
+    """The paper's four classes (Table 2, Llama-3-8B) scaled to this machine, open to
+    every client."""
+    return SLOTable.paper(scale=scale).open_to_anyone()
 
 
 def load_slo_table(path: str | Path) -> SLOTable:
     """``--slo-table``: a slo-table.json, or ``{class: seconds}`` as ``flowprefill bench``
     reads it (classes ordered most urgent first: the paper's priorities where the name is
-    one of its task types, then by SLO; the first is the default class)."""
+    one of its task types, then by SLO; the first is the default class; open to every
+    client)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -47,7 +53,7 @@ def load_slo_table(path: str | Path) -> SLOTable:
         )
         for name in order
     ]
-    return SLOTable(default_class=order[0], classes=classes)
+    return SLOTable(default_class=order[0], classes=classes).open_to_anyone()
 
 
 def machine_scale(predict_s_1k: float) -> float:

@@ -28,12 +28,26 @@ KV_HTTP_PATH: Final = "/v1/kv/"
 
 # HTTP headers between clients, the gateway and its upstreams.
 SLO_CLASS_HEADER: Final = "x-slo-class"
-"""Client -> gateway: the SLO class a request claims."""
+"""Client -> gateway: the SLO class a request claims (honoured where the class's claim
+rule admits the client: docs/gateway.md)."""
+SLO_OBJECTIVE_HEADER: Final = "x-gateway-inference-objective"
+"""Client -> gateway: the Gateway API Inference Extension's name of the objective (our SLO
+class), claimed as ``x-slo-class`` is; gateway -> upstreams: the class used."""
 SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
-"""Gateway -> prefill and decode: the TTFT budget left when the call is sent (a hint in the
-convention llm-d and Dynamo read; the deadline itself travels in the prefill body)."""
+"""Client -> gateway: the request's own TTFT target in ms (llm-d / Inference Extension
+convention; looser than its class always honoured, tighter only where the class allows).
+Gateway -> prefill and decode: the TTFT budget left when the call is sent (a hint; the
+deadline itself travels in the prefill body)."""
 SLO_TPOT_HEADER: Final = "x-slo-tpot-ms"
 """Gateway -> upstreams: the class's time-per-output-token target, when it has one."""
+SLO_PRIORITY_HEADER: Final = "x-dynamo-request-priority"
+"""Client -> gateway: NVIDIA Dynamo's request priority (higher = more urgent), mapped to
+the nearest class the client may claim; gateway -> upstreams: the class's priority."""
+SLO_CLASS_USED_HEADER: Final = "x-flowprefill-slo-class"
+"""Gateway -> client: the class the request was served in (every answer)."""
+SLO_FALLBACK_HEADER: Final = "x-flowprefill-slo-class-fallback"
+"""Gateway -> client: what the request asked for and did not get, with the reason
+(:class:`flowprefill.contracts.slo.Fallback`), and what was used instead."""
 
 # Files in a pod (the operator mounts ConfigMaps there).
 CONFIG_DIR: Final = "/etc/flowprefill"

@@ -12,8 +12,9 @@ from typing import Final
 
 
 class Outcome(StrEnum):
-    """``outcome`` label of the request counters: judged against the request's class SLO,
-    from the gateway's arrival (see :mod:`flowprefill.contracts.slo`)."""
+    """``outcome`` label of the request counters: judged against the request's TTFT target
+    (its class's, or its own where the gateway honoured one), from the gateway's arrival
+    (see :mod:`flowprefill.contracts.slo`)."""
 
     MET = "met"
     MISSED = "missed"
@@ -31,6 +32,10 @@ OUTCOME_LABEL: Final = "outcome"
 # Gateway (flowprefill serve-gateway); the SLO counters feed SLOClass status.
 GATEWAY_SLO_REQUESTS: Final = "flowprefill_gateway_slo_requests"
 GATEWAY_TTFT: Final = "flowprefill_gateway_ttft_seconds"
+GATEWAY_CLAIMS_REFUSED: Final = "flowprefill_gateway_slo_claims_refused"
+"""Counter: requests whose claim (a class by name, a priority, a tighter TTFT target) the
+class's claim rule did not admit, by ``slo_class`` (the class claimed) and ``claim``."""
+CLAIM_LABEL: Final = "claim"
 GATEWAY_TPOT: Final = "flowprefill_gateway_tpot_seconds"
 """Histogram by class: time per output token after the first, of each request that
 decode continued ((last token - first token) / (tokens - 1)); the operator's autoscaler

@@ -4,11 +4,14 @@ The deadline has one name and one unit from the gateway to the scheduler: a clas
 ``ttft_slo_s`` (the table file carries ``ttft_slo_ms``, as the SLOClass CRD does, and is
 converted here, once), and ``deadline_s = arrival_s + ttft_slo_s`` where ``arrival_s`` is
 when the *gateway* received the request. Whether a request met its SLO is judged against
-the class SLO from that arrival, in every process.
+that same ``ttft_slo_s`` from that arrival, in every process: the class's, or the request's
+own target (``x-slo-ttft-ms``) where the gateway honoured one (its class's
+:class:`SLOTableClaim` decides; docs/gateway.md).
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -52,6 +55,45 @@ class SLOTableMatch(_Contract):
     api_key_hashes: list[str] = Field(default_factory=list, description="SHA-256 of API keys.")
 
 
+class Fallback(StrEnum):
+    """Why a request did not get what it asked for: the first word of each entry of the
+    ``x-flowprefill-slo-class-fallback`` answer header; the ``claim`` label of the refused
+    claims counter is the part after ``claim-`` / ``ttft-``."""
+
+    UNKNOWN_CLASS = "unknown-class"
+    """It named a class the table does not have."""
+    CLASS_REFUSED = "claim-refused"
+    """It named a class whose claim rule does not admit it."""
+    PRIORITY_REFUSED = "priority-refused"
+    """The class nearest its priority does not admit it; the nearest that does was used."""
+    TTFT_REFUSED = "ttft-refused"
+    """It asked for a TTFT target tighter than its class, which does not allow it."""
+    TTFT_LIMITED = "ttft-limited"
+    """It asked for a tighter target than the class's floor; the floor was used."""
+
+
+class SLOTableClaim(_Contract):
+    """Who may put a request into this class by naming it (``x-slo-class``, the
+    ``slo_class`` field, ``x-gateway-inference-objective``) or by a priority, and how far
+    such a client may tighten the TTFT target per request (``x-slo-ttft-ms``).
+
+    The default admits nobody: a client gets a class by naming it only where its API key
+    is listed or ``anyone`` is set. Match rules are not claims: they are the operator's
+    own assignment, and the class they give is always the client's to keep.
+    """
+
+    anyone: bool = Field(default=False, description="Every client may claim the class.")
+    api_key_hashes: list[str] = Field(
+        default_factory=list, description="SHA-256 of the API keys that may claim it."
+    )
+    min_ttft_slo_ms: int | None = Field(
+        default=None,
+        gt=0,
+        description="The tightest per-request TTFT target (ms) a client allowed to claim "
+        "the class may ask for; null: none tighter than the class's.",
+    )
+
+
 class SLOTableClass(_Contract):
     """One SLO class as the gateway sees it."""
 
@@ -62,6 +104,9 @@ class SLOTableClass(_Contract):
     priority: int = Field(description="Higher is more urgent; negative = sheddable.")
     attainment_target: float = Field(description="Target fraction of requests meeting the TTFT.")
     match: SLOTableMatch = Field(default_factory=SLOTableMatch, description="Match rules.")
+    claim: SLOTableClaim = Field(
+        default_factory=SLOTableClaim, description="Who may claim the class (default: nobody)."
+    )
 
     @property
     def ttft_slo_s(self) -> float:
@@ -72,9 +117,10 @@ class SLOTableClass(_Contract):
 class SLOTable(_Contract):
     """``slo-table.json``: classes in the order the gateway tries them.
 
-    Classification: an ``x-slo-class`` header naming a class wins; otherwise the first class
-    (priority descending, then name) whose non-empty rules all match; otherwise
-    ``default_class``; if that is null the request is refused (400).
+    Classification (:mod:`flowprefill.gateway.classify`): a class the client names and may
+    claim (:class:`SLOTableClaim`); else the claimable class nearest a priority it sent;
+    otherwise the first class (priority descending, then name) whose non-empty rules all
+    match; otherwise ``default_class``; if that is null the request is refused (400).
     """
 
     version: Literal[1] = Field(default=1, description="Format version.")
@@ -90,9 +136,17 @@ class SLOTable(_Contract):
             raise ValueError(f"default_class {self.default_class!r} is not a class")
         return self
 
+    def open_to_anyone(self) -> SLOTable:
+        """The table with every class claimable by every client, its TTFT target
+        tightened freely: single-tenant deployments (``flowprefill up``)."""
+        claim = SLOTableClaim(anyone=True, min_ttft_slo_ms=1)
+        classes = [c.model_copy(update={"claim": claim}) for c in self.classes]
+        return self.model_copy(update={"classes": classes})
+
     @classmethod
     def paper(cls, *, scale: float = 1.0, model: str = "llama3-8b") -> SLOTable:
-        """The paper's four task types as classes, Table 2's targets times ``scale``."""
+        """The paper's four task types as classes, Table 2's targets times ``scale`` (no
+        class claimable by name: see :meth:`open_to_anyone`)."""
         return cls(
             default_class="text",
             classes=[

@@ -1,7 +1,8 @@
 """Stage 1 of the pipeline: admit an OpenAI request as a :class:`~flowprefill.gateway.job.Job`.
 
-Checks the model name (404), classifies into an SLO class
-(:mod:`flowprefill.gateway.classify`), tokenizes the prompt or chat (a prompt of token ids
+Checks the model name (404), classifies into an SLO class and TTFT target from what the
+request asks (:mod:`flowprefill.gateway.slo_request`, :mod:`flowprefill.gateway.classify`),
+tokenizes the prompt or chat (a prompt of token ids
 must stay within the vocabulary), and refuses a prompt plus output budget over the
 context length (400 naming ``max_tokens`` or ``prompt``).
 Pure but for the tokenizer: no HTTP, no upstream.
@@ -17,6 +18,7 @@ from flowprefill.gateway.classify import classify
 from flowprefill.gateway.errors import ClientError
 from flowprefill.gateway.job import Job
 from flowprefill.gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from flowprefill.gateway.slo_request import slo_request
 from flowprefill.gateway.tokenizer import Tokenizer
 
 
@@ -47,9 +49,8 @@ def admit(
     :class:`~flowprefill.gateway.errors.ClientError`, or
     :class:`~flowprefill.errors.InvalidRequestError` when no class fits."""
     check_model(body.model, model_name)
-    classification = classify(
-        table, headers=headers, body_class=body.slo_class, model=body.model, path=path
-    )
+    asked = slo_request(headers, body_class=body.slo_class, body_priority=body.priority)
+    classification = classify(table, asked, headers=headers, model=body.model, path=path)
     if isinstance(body, ChatCompletionRequest):
         token_ids = tokenizer.encode_chat(
             [{"role": msg.role, "content": msg.text()} for msg in body.messages]

@@ -13,8 +13,9 @@ first byte is answered with its status (:mod:`flowprefill.gateway.errors`); one 
 ends the stream with an error event. A client that disconnects while prefill runs gets
 its prefill cancelled (the upstream connection closes, and the prefill server cancels the
 request); one gone mid-stream closes its decode stream. Every answer carries the class
-used (``x-flowprefill-slo-class``), and a fallback note when the requested class was
-unknown. Also ``GET /v1/models``, vLLM's ``POST /tokenize`` and ``/detokenize``
+used (``x-flowprefill-slo-class``), and a fallback note when the request asked for a
+class, priority or TTFT target it did not get (unknown, or not its to claim). Also
+``GET /v1/models``, vLLM's ``POST /tokenize`` and ``/detokenize``
 (:mod:`flowprefill.gateway.tokenize_api`), ``/health``, ``/ready`` (503 with no healthy
 prefill instance) and ``/metrics``; the SLO table is re-read when its file changes.
 """
@@ -29,10 +30,11 @@ from typing import Annotated, Any
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from flowprefill.contracts.deployment import SLO_CLASS_USED_HEADER, SLO_FALLBACK_HEADER
 from flowprefill.gateway import openai_wire as wire
 from flowprefill.gateway import tokenize_api
 from flowprefill.gateway.admit import admit
-from flowprefill.gateway.classify import Classification
+from flowprefill.gateway.classify import Classification, fallback_note
 from flowprefill.gateway.decode import DecodeStage
 from flowprefill.gateway.errors import ClientError, GatewayError, as_gateway_error
 from flowprefill.gateway.job import Job
@@ -45,17 +47,15 @@ from flowprefill.web.errors import error_response, install_error_handlers
 from flowprefill.web.probes import add_probe_routes
 from flowprefill.web.sse import MEDIA_TYPE
 
-FALLBACK_HEADER = "x-flowprefill-slo-class-fallback"
-CLASS_HEADER = "x-flowprefill-slo-class"
+FALLBACK_HEADER = SLO_FALLBACK_HEADER
+CLASS_HEADER = SLO_CLASS_USED_HEADER
 
 
 def class_headers(classification: Classification) -> dict[str, str]:
     headers = {CLASS_HEADER: classification.slo_class.name}
-    if classification.unknown_requested:
-        headers[FALLBACK_HEADER] = (
-            f"unknown class {classification.unknown_requested!r}; "
-            f"used {classification.slo_class.name}"
-        )
+    note = fallback_note(classification)
+    if note is not None:
+        headers[FALLBACK_HEADER] = note
     return headers
 
 
@@ -106,6 +106,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             tokenizer=state.tokenizer,
         )
         headers = class_headers(job.classification)
+        m.claims(job.classification.refusals)
         m.in_flight.inc()
         try:
             return await _answer(request, job, headers)

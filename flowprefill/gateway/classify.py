@@ -1,45 +1,85 @@
-"""Which SLO class a request belongs to, from the SLO table the operator maintains.
+"""Which SLO class a request belongs to, and its TTFT target, from the SLO table the
+operator maintains and what the request asks (:mod:`flowprefill.gateway.slo_request`).
 
-Order (documented in :class:`flowprefill.contracts.SLOTable`):
+The class:
 
-1. an ``x-slo-class`` header, else a ``slo_class`` body field, naming a known class;
-2. the first class (table order: most urgent first) whose non-empty rules all match —
+1. the first class the request names (``x-slo-class``, ``x-gateway-inference-objective``,
+   ``slo_class``) that it may claim;
+2. else, when it sent a priority, the class of nearest priority among those it may claim
+   (ties: the less urgent);
+3. else the first class (table order: most urgent first) whose non-empty rules all match —
    headers (all listed must match), model name, path prefix, API key hash;
-3. the default class.
+4. else the default class.
 
-A header or field naming an unknown class falls through to 2–3 and is reported back
-(``x-flowprefill-slo-class-fallback``) instead of failing the request.
+A client *may claim* a class when the class's claim rule admits it (``anyone``, or its
+API key's hash is listed) or when the class is the one steps 3–4 give it anyway: claiming
+never escalates past what the operator's rules grant. By default no class admits anyone.
+
+The TTFT target: the class's, unless the request carries its own (``x-slo-ttft-ms``). A
+looser one is always honoured (it can only make the request less urgent, so others gain),
+a tighter one only when the class's claim rule admits the client and sets a floor
+(``min_ttft_slo_ms``; a target below it gets the floor). Every refusal falls back without
+failing the request and is reported (:class:`Refusal`, the
+``x-flowprefill-slo-class-fallback`` answer header and a counter).
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
-from pydantic import ValidationError
-
 from flowprefill.contracts import SLOTable, SLOTableClass
-from flowprefill.contracts.deployment import SLO_CLASS_HEADER
+from flowprefill.contracts.slo import Fallback
 from flowprefill.errors import InvalidRequestError
+from flowprefill.gateway.slo_request import SLORequest
+from flowprefill.gateway.slo_table_file import SLOTableFile
 
-log = logging.getLogger(__name__)
+__all__ = ["Classification", "Refusal", "SLOTableFile", "api_key_hash", "classify"]
 
-SLO_CLASS_FIELD = "slo_class"
+Source = Literal["header", "objective", "field", "priority", "rule", "default"]
 
-Source = Literal["header", "field", "rule", "default"]
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Something the request asked for and did not get."""
+
+    reason: Fallback
+    requested: str
+    """As the client sent it."""
+    slo_class: str | None
+    """The class the claim concerned (None: a name the table does not have)."""
+
+    @property
+    def claim(self) -> str | None:
+        """The ``claim`` label of the refused-claims counter (None: not a refused claim)."""
+        return {
+            Fallback.CLASS_REFUSED: "class",
+            Fallback.PRIORITY_REFUSED: "priority",
+            Fallback.TTFT_REFUSED: "ttft",
+            Fallback.TTFT_LIMITED: "ttft",
+        }.get(self.reason)
 
 
 @dataclass(frozen=True, slots=True)
 class Classification:
     slo_class: SLOTableClass
     source: Source
-    unknown_requested: str | None = None
-    """A class name the client asked for that the table does not have."""
+    requested_ttft_slo_ms: float | None = None
+    """The request's own TTFT target where honoured (the floor where limited)."""
+    refusals: tuple[Refusal, ...] = ()
+
+    @property
+    def ttft_slo_ms(self) -> float:
+        """The request's TTFT target: what its deadline is built from and judged against."""
+        if self.requested_ttft_slo_ms is not None:
+            return self.requested_ttft_slo_ms
+        return float(self.slo_class.ttft_slo_ms)
+
+    @property
+    def ttft_slo_s(self) -> float:
+        return self.ttft_slo_ms / 1e3
 
 
 def api_key_hash(authorization: str | None) -> str | None:
@@ -51,23 +91,14 @@ def api_key_hash(authorization: str | None) -> str | None:
     return hashlib.sha256(token.strip().encode()).hexdigest()
 
 
-def classify(
-    table: SLOTable,
-    *,
-    headers: Mapping[str, str],
-    body_class: str | None,
-    model: str | None,
-    path: str,
-) -> Classification:
-    """``headers`` must be case-insensitive (Starlette's are) or lower-cased."""
-    by_name = {c.name: c for c in table.classes}
-    unknown: str | None = None
-    for source, name in (("header", headers.get(SLO_CLASS_HEADER)), ("field", body_class)):
-        if name:
-            if name in by_name:
-                return Classification(by_name[name], source)  # type: ignore[arg-type]
-            unknown = unknown or name
-    key_hash = api_key_hash(headers.get("authorization"))
+def _admits(c: SLOTableClass, key_hash: str | None) -> bool:
+    """The class's claim rule admits this client."""
+    return c.claim.anyone or (key_hash is not None and key_hash in c.claim.api_key_hashes)
+
+
+def _by_rules(
+    table: SLOTable, headers: Mapping[str, str], model: str | None, path: str, key: str | None
+) -> tuple[SLOTableClass | None, Source]:
     for c in table.classes:
         m = c.match
         if not (m.headers or m.models or m.paths or m.api_key_hashes):
@@ -78,52 +109,85 @@ def classify(
             continue
         if m.paths and not any(path.startswith(p) for p in m.paths):
             continue
-        if m.api_key_hashes and key_hash not in m.api_key_hashes:
+        if m.api_key_hashes and key not in m.api_key_hashes:
             continue
-        return Classification(c, "rule", unknown)
+        return c, "rule"
     if table.default_class is None:
-        what = f"unknown SLO class {unknown!r}" if unknown else "no SLO class matches"
-        raise InvalidRequestError(f"{what} and the SLO table has no default class")
-    return Classification(by_name[table.default_class], "default", unknown)
+        return None, "default"
+    return next(c for c in table.classes if c.name == table.default_class), "default"
 
 
-class SLOTableFile:
-    """The SLO table file, re-read when it changes (ConfigMap updates swap a symlink).
+def _nearest(classes: Sequence[SLOTableClass], priority: int) -> SLOTableClass:
+    """Nearest priority; ties go to the less urgent class (a client never gets more than it
+    asked for), then table order."""
+    return min(classes, key=lambda c: (abs(c.priority - priority), c.priority))
 
-    :meth:`refresh` is cheap (one ``stat``) and is called by the gateway's background
-    watcher; a file that fails to parse keeps the last good table and logs why.
-    """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self._stamp: tuple[int, int, int] | None = None
-        self.table = self._read()
-        self.num_reloads = 0
+def _ttft(
+    c: SLOTableClass, asked_ms: float | None, key: str | None
+) -> tuple[float | None, Refusal | None]:
+    if asked_ms is None or asked_ms >= c.ttft_slo_ms:
+        return asked_ms, None  # looser (or none): always honoured
+    floor = c.claim.min_ttft_slo_ms
+    if floor is None or not _admits(c, key):
+        return None, Refusal(Fallback.TTFT_REFUSED, f"{asked_ms:g} ms", c.name)
+    if asked_ms < floor:
+        return float(floor), Refusal(Fallback.TTFT_LIMITED, f"{asked_ms:g} ms", c.name)
+    return asked_ms, None
 
-    def _stat(self) -> tuple[int, int, int]:
-        st = self.path.stat()  # follows symlinks: a swapped ConfigMap target changes inode
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def _read(self) -> SLOTable:
-        stamp = self._stat()
-        try:
-            table = SLOTable.model_validate_json(self.path.read_bytes())
-        except ValidationError as e:
-            raise InvalidRequestError(f"SLO table {self.path} is invalid: {e}") from None
-        self._stamp = stamp
-        return table
+def classify(
+    table: SLOTable,
+    asked: SLORequest,
+    *,
+    headers: Mapping[str, str],
+    model: str | None,
+    path: str,
+) -> Classification:
+    """``headers`` must be case-insensitive (Starlette's are) or lower-cased. Raises
+    :class:`~flowprefill.errors.InvalidRequestError` when no class fits."""
+    key = api_key_hash(headers.get("authorization"))
+    ruled, rule_source = _by_rules(table, headers, model, path, key)
+    by_name = {c.name: c for c in table.classes}
+    refusals: list[Refusal] = []
+    chosen: tuple[SLOTableClass, Source] | None = None
+    for name_source, name in asked.names:
+        c = by_name.get(name)
+        if c is None:
+            refusals.append(Refusal(Fallback.UNKNOWN_CLASS, name, None))
+        elif c is ruled or _admits(c, key):
+            chosen = (c, name_source)
+            break
+        else:
+            refusals.append(Refusal(Fallback.CLASS_REFUSED, name, c.name))
+    if chosen is None and asked.priority is not None:
+        claimable = [c for c in table.classes if c is ruled or _admits(c, key)]
+        if claimable:
+            best = _nearest(claimable, asked.priority)
+            wanted = _nearest(table.classes, asked.priority)
+            if wanted.priority != best.priority:
+                refusals.append(
+                    Refusal(Fallback.PRIORITY_REFUSED, asked.priority_sent, wanted.name)
+                )
+            chosen = (best, "priority")
+    if chosen is None:
+        if ruled is None:
+            unknown = [r.requested for r in refusals if r.reason is Fallback.UNKNOWN_CLASS]
+            what = f"unknown SLO class {unknown[0]!r}" if unknown else "no SLO class matches"
+            raise InvalidRequestError(f"{what} and the SLO table has no default class")
+        chosen = (ruled, rule_source)
+    c, source = chosen
+    ttft_ms, limited = _ttft(c, asked.ttft_slo_ms, key)
+    if limited is not None:
+        refusals.append(limited)
+    return Classification(c, source, ttft_ms, tuple(refusals))
 
-    def refresh(self) -> bool:
-        """Reload if the file changed; True when a new table was loaded."""
-        try:
-            stamp = self._stat()
-            if stamp == self._stamp:
-                return False
-            self._stamp = stamp  # a bad file is reported once, not at every refresh
-            self.table = self._read()
-        except (OSError, InvalidRequestError) as e:
-            log.warning("keeping the previous SLO table: %s", e)
-            return False
-        self.num_reloads += 1
-        log.info("reloaded SLO table %s (%d classes)", self.path, len(self.table.classes))
-        return True
+
+def fallback_note(classification: Classification) -> str | None:
+    """The ``x-flowprefill-slo-class-fallback`` value: each refusal (reason, what was
+    asked, ASCII-escaped and cut to 64 characters) and what was used instead."""
+    if not classification.refusals:
+        return None
+    asked = ", ".join(f"{r.reason} {r.requested[:64]!a}" for r in classification.refusals)
+    c = classification
+    return f"{asked}; used {c.slo_class.name} ({c.ttft_slo_ms:g} ms)"

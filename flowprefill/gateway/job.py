@@ -1,7 +1,8 @@
 """One request on its way through the gateway, and its deadline.
 
-The deadline has one name and one unit from here to the scheduler: the class's
-``ttft_slo_s`` and ``arrival_s``, when the gateway received the request, so
+The deadline has one name and one unit from here to the scheduler: the request's
+``ttft_slo_s`` (its class's, or its own target where the classifier honoured one) and
+``arrival_s``, when the gateway received the request, so
 ``deadline_s = arrival_s + ttft_slo_s``. A prefill instance is sent ``ttft_slo_s`` and
 ``elapsed_s`` (:mod:`flowprefill.contracts.prefill_api`) and rebuilds the same deadline
 on its clock; every process judges ``met`` as ``ttft_s <= ttft_slo_s`` from that arrival.
@@ -16,7 +17,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flowprefill.contracts import SLOTableClass
-from flowprefill.contracts.deployment import SLO_TPOT_HEADER, SLO_TTFT_HEADER
+from flowprefill.contracts.deployment import (
+    SLO_OBJECTIVE_HEADER,
+    SLO_PRIORITY_HEADER,
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
+)
 from flowprefill.gateway.classify import Classification
 from flowprefill.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 
@@ -47,7 +53,8 @@ class Job:
 
     @property
     def ttft_slo_s(self) -> float:
-        return self.slo.ttft_slo_s
+        """The request's TTFT target: its class's, or its own where honoured."""
+        return self.classification.ttft_slo_s
 
     @property
     def deadline_s(self) -> float:
@@ -64,9 +71,9 @@ class Job:
         TTFT budget left at ``now_s`` (ms, at least 1), the priority, the TPOT target."""
         c = self.slo
         headers = {
-            "x-gateway-inference-objective": c.name,
+            SLO_OBJECTIVE_HEADER: c.name,
             SLO_TTFT_HEADER: str(max(1, round((self.deadline_s - now_s) * 1e3))),
-            "x-dynamo-request-priority": str(c.priority),
+            SLO_PRIORITY_HEADER: str(c.priority),
         }
         if c.tpot_slo_ms is not None:
             headers[SLO_TPOT_HEADER] = str(c.tpot_slo_ms)

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from flowprefill.contracts.metrics import GATEWAY_TPOT, TPOT_BUCKETS_S
+from flowprefill.contracts.metrics import (
+    CLAIM_LABEL,
+    GATEWAY_CLAIMS_REFUSED,
+    GATEWAY_TPOT,
+    SLO_CLASS_LABEL,
+    TPOT_BUCKETS_S,
+)
+from flowprefill.gateway.classify import Refusal
 from flowprefill.gateway.errors import GatewayError
 from flowprefill.metrics import TTFT_BUCKETS_S
 
@@ -52,10 +61,17 @@ class GatewayMetrics:
         self.table_reloads = Counter(
             "flowprefill_gateway_slo_table_reloads", "SLO table reloads.", registry=r
         )
+        self.claims_refused = Counter(
+            GATEWAY_CLAIMS_REFUSED,
+            "Requests whose claim (a class by name, a priority, a tighter TTFT target) the "
+            "class's claim rule did not admit, by the class claimed.",
+            [SLO_CLASS_LABEL, CLAIM_LABEL],
+            registry=r,
+        )
 
     def first_token(self, slo_class: str, *, ttft_s: float, met: bool, wait_s: float) -> None:
         """A request's first token went to its client ``ttft_s`` after gateway arrival;
-        ``met`` is judged against the class SLO; ``wait_s`` was spent at prefill."""
+        ``met`` is judged against the request's TTFT target; ``wait_s`` was spent at prefill."""
         self.ttft.labels(slo_class).observe(ttft_s)
         self.slo_requests.labels(slo_class, "met" if met else "missed").inc()
         self.queue_time.labels(slo_class).observe(wait_s)
@@ -65,6 +81,12 @@ class GatewayMetrics:
         after the first: one TPOT sample, unless decode added no token."""
         if num_tokens > 1:
             self.tpot.labels(slo_class).observe(decode_s / (num_tokens - 1))
+
+    def claims(self, refusals: Iterable[Refusal]) -> None:
+        """Count the refused claims of one request (unknown class names are not claims)."""
+        for r in refusals:
+            if r.claim is not None and r.slo_class is not None:
+                self.claims_refused.labels(r.slo_class, r.claim).inc()
 
     def failed(self, err: GatewayError) -> None:
         self.errors.labels(err.reason).inc()

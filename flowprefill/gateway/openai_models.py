@@ -34,6 +34,13 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1, description="Only n=1 is served.")
     slo_class: str | None = Field(None, max_length=128, description="FlowPrefill SLO class.")
+    priority: int = Field(
+        0,
+        ge=-(2**63),
+        le=2**63 - 1,
+        description="vLLM's: lower is handled earlier; mapped to the nearest SLO class the "
+        "client may claim (flowprefill.gateway.slo_request), not sent to decode.",
+    )
     ignore_eos: bool = Field(
         False,
         description="vLLM's: generate past end-of-sequence, up to max_tokens (benchmarks "

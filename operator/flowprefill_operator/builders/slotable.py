@@ -6,7 +6,11 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from flowprefill.contracts.deployment import SLO_CLASS_HEADER, SLO_OBJECTIVE_HEADER
+from flowprefill.contracts.slo import SLOTableClaim
+
 from ..models import LabelSelector, SLOClassSpec, SLOTable, SLOTableClass, SLOTableMatch
+from ..models.sloclass import SecretRef
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,8 @@ def judge_classes(
 ) -> dict[str, Verdict]:
     """Acceptance of every class in one namespace.
 
-    ``secret_keys`` maps a referenced Secret's name to its API-key hashes (None: not found).
+    ``secret_keys`` maps a referenced Secret's name (match or claim rules) to its API-key
+    hashes (None: not found).
     """
     verdicts: dict[str, Verdict] = {}
     default_owner: str | None = None
@@ -46,10 +51,12 @@ def judge_classes(
         if spec is None:
             verdicts[view.name] = Verdict(False, "InvalidSpec", view.error or "invalid spec")
             continue
-        ref = spec.match.api_key_secret_ref
-        if ref and secret_keys.get(ref.name) is None:
+        missing = [name for name in spec.secret_names() if secret_keys.get(name) is None]
+        if missing:
             verdicts[view.name] = Verdict(
-                False, "SecretNotFound", f"Secret {ref.name!r} not found; no API-key rule"
+                False,
+                "SecretNotFound",
+                f"Secret {missing[0]!r} not found; its API keys match and claim nothing",
             )
             continue
         if spec.default and default_owner is not None:
@@ -61,8 +68,30 @@ def judge_classes(
             continue
         if spec.default:
             default_owner = view.name
-        verdicts[view.name] = Verdict(True, "Accepted", "in use")
+        verdicts[view.name] = Verdict(True, "Accepted", _acceptance_message(spec))
     return verdicts
+
+
+def _acceptance_message(spec: SLOClassSpec) -> str:
+    """ "in use", with a warning for a header rule on a claim header: before claim rules,
+    examples matched ``x-slo-class`` as a rule, which lets every client in."""
+    claim_headers = {SLO_CLASS_HEADER, SLO_OBJECTIVE_HEADER}
+    ruled = sorted(h.name for h in spec.match.headers if h.name in claim_headers)
+    if ruled:
+        return (
+            f"in use; match.headers on {ruled[0]} admits every client that sends it "
+            "(a claim anyone may make): use spec.claim to say who may"
+        )
+    return "in use"
+
+
+def _hashes(
+    inline: list[str], ref: SecretRef | None, secret_keys: Mapping[str, list[str] | None]
+) -> list[str]:
+    hashes = list(inline)
+    if ref is not None:
+        hashes += secret_keys.get(ref.name) or []
+    return sorted(set(hashes))
 
 
 def selected(view: SLOClassView, selectors: Iterable[LabelSelector | None]) -> bool:
@@ -87,10 +116,7 @@ def build_slo_table(
         verdict = verdicts.get(view.name)
         if spec.default and verdict is not None and verdict.accepted:
             default_class = view.name
-        match = spec.match
-        hashes = list(match.api_key_hashes)
-        if match.api_key_secret_ref:
-            hashes += secret_keys.get(match.api_key_secret_ref.name) or []
+        match, claim = spec.match, spec.claim
         rows.append(
             SLOTableClass(
                 name=view.name,
@@ -103,7 +129,16 @@ def build_slo_table(
                     headers={h.name: h.value for h in match.headers},
                     models=list(match.models),
                     paths=list(match.paths),
-                    api_key_hashes=sorted(set(hashes)),
+                    api_key_hashes=_hashes(
+                        match.api_key_hashes, match.api_key_secret_ref, secret_keys
+                    ),
+                ),
+                claim=SLOTableClaim(
+                    anyone=claim.anyone,
+                    api_key_hashes=_hashes(
+                        claim.api_key_hashes, claim.api_key_secret_ref, secret_keys
+                    ),
+                    min_ttft_slo_ms=claim.min_ttft_slo_ms,
                 ),
             )
         )

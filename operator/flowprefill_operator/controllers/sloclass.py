@@ -82,11 +82,7 @@ def secret_hashes(ctx: Context, namespace: str, name: str) -> list[str] | None:
 def judge(ctx: Context, namespace: str, entries: list[ClassEntry]) -> JudgedClasses:
     """Verdicts for the namespace's classes; reads the Secrets they reference."""
     views = [e.view for e in entries]
-    refs = {
-        v.spec.match.api_key_secret_ref.name
-        for v in views
-        if v.spec and v.spec.match.api_key_secret_ref
-    }
+    refs = {name for v in views if v.spec for name in v.spec.secret_names()}
     secrets = {ref: secret_hashes(ctx, namespace, ref) for ref in sorted(refs)}
     return JudgedClasses(views, secrets, judge_classes(views, secrets))
 

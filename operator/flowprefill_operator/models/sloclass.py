@@ -34,7 +34,8 @@ class MatchRules(CRModel):
     """How the gateway recognises a request of this class.
 
     Every non-empty criterion must hold (AND); within a criterion any entry may match (OR).
-    The ``x-slo-class: <name>`` header always selects a class by name, rules or not.
+    Naming a class (``x-slo-class: <name>``) is a claim, not a rule (see ClaimRules): a
+    header rule on ``x-slo-class`` would let every client in.
     """
 
     model_config = ConfigDict(
@@ -82,8 +83,77 @@ class MatchRules(CRModel):
         return self
 
 
+class ClaimRules(CRModel):
+    """Who may put a request into this class by naming it (``x-slo-class``, the
+    ``slo_class`` body field, ``x-gateway-inference-objective``) or by a priority
+    (``x-dynamo-request-priority``, vLLM's ``priority``), and who may tighten its TTFT
+    target per request (``x-slo-ttft-ms``). Empty: nobody — such requests get the class
+    their match rules (or the default) give them, and the refusal is reported.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.apiKeySecretRef) || !has(self.apiKeyHashes)"
+                    " || size(self.apiKeyHashes) == 0",
+                    "set either apiKeyHashes or apiKeySecretRef, not both",
+                ),
+                cel(
+                    "!has(self.anyone) || !self.anyone || (!has(self.apiKeySecretRef)"
+                    " && (!has(self.apiKeyHashes) || size(self.apiKeyHashes) == 0))",
+                    "anyone admits every client: list no API keys with it",
+                ),
+            ]
+        }
+    )
+
+    anyone: bool = Field(
+        default=False,
+        description="Every client may claim the class (single-tenant setups; the behaviour "
+        "before claim rules existed).",
+    )
+    api_key_hashes: list[Annotated[str, Field(pattern=SHA256_HEX)]] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Lower-case hex SHA-256 of the API keys (bearer tokens) that may claim it.",
+    )
+    api_key_secret_ref: SecretRef | None = Field(
+        default=None,
+        description="A Secret whose values are the API keys that may claim it; the operator "
+        "hashes them into the table.",
+    )
+    min_ttft_slo_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=600_000,
+        description="The tightest per-request TTFT target (x-slo-ttft-ms) a client admitted "
+        "here may ask for in this class; unset: none tighter than ttftSloMs.",
+    )
+
+    @model_validator(mode="after")
+    def _mirror_cel(self) -> ClaimRules:
+        if self.api_key_secret_ref and self.api_key_hashes:
+            raise ValueError("set either apiKeyHashes or apiKeySecretRef, not both")
+        if self.anyone and (self.api_key_secret_ref or self.api_key_hashes):
+            raise ValueError("anyone admits every client: list no API keys with it")
+        return self
+
+
 class SLOClassSpec(CRModel):
     """Desired state of an SLO class."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.claim) || !has(self.claim.minTtftSloMs)"
+                    " || self.claim.minTtftSloMs <= self.ttftSloMs",
+                    "claim.minTtftSloMs must not exceed ttftSloMs",
+                )
+            ]
+        }
+    )
 
     task_type: TaskType = Field(
         description="Task type (the paper's text/image/search/file, or other)."
@@ -112,6 +182,23 @@ class SLOClassSpec(CRModel):
     match: MatchRules = Field(
         default=MatchRules(), description="Rules that assign requests to this class."
     )
+    claim: ClaimRules = Field(
+        default=ClaimRules(),
+        description="Who may claim this class by name or priority, and tighten its TTFT "
+        "target per request (default: nobody).",
+    )
+
+    @model_validator(mode="after")
+    def _claim_floor(self) -> SLOClassSpec:
+        floor = self.claim.min_ttft_slo_ms
+        if floor is not None and floor > self.ttft_slo_ms:
+            raise ValueError("claim.minTtftSloMs must not exceed ttftSloMs")
+        return self
+
+    def secret_names(self) -> list[str]:
+        """The Secrets this class reads API keys from (match and claim rules)."""
+        refs = (self.match.api_key_secret_ref, self.claim.api_key_secret_ref)
+        return sorted({ref.name for ref in refs if ref is not None})
 
 
 class SLOClassStatus(CRModel):
