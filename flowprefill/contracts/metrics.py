@@ -69,3 +69,8 @@ TTFT_BUCKETS_S: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 
 TPOT_BUCKETS_S: Final = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 """Histogram buckets of the TPOT metric (decode targets are tens of milliseconds)."""
+
+GATEWAY_SLO_ATTAINMENT_TARGET: Final = "flowprefill_gateway_slo_attainment_target"
+"""Gauge by ``slo_class``: the class's attainment target from the gateway's SLO table; the
+recording rules (charts/flowprefill/files/recording-rules.yaml) divide the missed fraction
+by 1 minus it (error-budget burn rate)."""

@@ -11,6 +11,7 @@ from flowprefill.contracts.gateway import HealthProbeSettings
 from flowprefill.gateway.classify import SLOTableFile
 from flowprefill.gateway.metrics import GatewayMetrics
 from flowprefill.gateway.routing import InstancePool
+from flowprefill.gateway.slo_targets import export_slo_targets
 from flowprefill.gateway.tokenizer import Tokenizer
 from flowprefill.gateway.upstream import DecodeClient, PrefillClient
 
@@ -31,3 +32,6 @@ class GatewayState:
     """How often the SLO table file is checked for changes."""
     health_probe: HealthProbeSettings | None = field(default_factory=HealthProbeSettings)
     """Liveness probing of the instances (flowprefill.gateway.health); None: off."""
+
+    def __post_init__(self) -> None:
+        export_slo_targets(self.metrics.registry, lambda: self.slo_file.table)
