@@ -11,16 +11,24 @@ With ``"stream": true`` the answer is server-sent events: a :class:`PrefillRespo
 as soon as the first token exists, then a :class:`KVHandoffEvent` once the hand-off is
 written (``kv_transfer_params`` null if writing failed: decode recomputes), then
 ``[DONE]``.
+
+Every answer also reports the instance's backlog (:class:`PrefillLoad`, the ``load``
+field), and ``GET /v1/load`` (:data:`LOAD_PATH`) returns it on demand: what the gateway's
+admission reads to see work it did not send (other gateways, direct clients) and how fast
+the instance drains it, by the engine's own predictor.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flowprefill.contracts.kv import HandoffRef
+
+LOAD_PATH: Final = "/v1/load"
+"""``GET``: the prefill instance's :class:`PrefillLoad` now."""
 
 
 class PrefillRequest(BaseModel):
@@ -56,6 +64,22 @@ class PrefillRequest(BaseModel):
         return self.ttft_slo_s - self.elapsed_s
 
 
+class PrefillLoad(BaseModel):
+    """A prefill instance's backlog at one moment, as its engine sees it."""
+
+    backlog_tokens: int = Field(
+        ge=0,
+        description="Prompt tokens still to prefill: waiting and parked requests, and what "
+        "remains of the running task.",
+    )
+    queue_delay_s: float = Field(
+        ge=0,
+        description="The engine's TTFT predictor over backlog_tokens (0 when idle): how long "
+        "a request due after all of it would wait before it starts.",
+    )
+    num_requests: int = Field(ge=0, description="Requests the backlog consists of.")
+
+
 class PrefillResponse(BaseModel):
     request_id: str
     first_token_id: int
@@ -68,6 +92,9 @@ class PrefillResponse(BaseModel):
     batch_size: int
     kv_transfer_params: dict[str, Any] | None = Field(
         None, description="What decode needs to load this request's KV cache."
+    )
+    load: PrefillLoad | None = Field(
+        None, description="The instance's backlog when it answered (this request excluded)."
     )
 
     def handoff(self) -> HandoffRef | None:

@@ -113,7 +113,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         except (GatewayError, ClientDisconnected) as e:
             err = as_gateway_error(e)
             m.failed(err)
-            return error_response(err.status, str(err), headers=headers)
+            return error_response(err.status, str(err), err.type_, headers=headers | err.headers)
         finally:
             m.in_flight.dec()
 

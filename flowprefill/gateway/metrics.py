@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from flowprefill.contracts.metrics import (
     CLAIM_LABEL,
     GATEWAY_CLAIMS_REFUSED,
+    GATEWAY_SHED,
     GATEWAY_TPOT,
     SLO_CLASS_LABEL,
     TPOT_BUCKETS_S,
@@ -56,6 +57,13 @@ class GatewayMetrics:
             "flowprefill_gateway_errors",
             "Requests that ended in an error, by reason.",
             ["reason"],
+            registry=r,
+        )
+        self.shed = Counter(
+            GATEWAY_SHED,
+            "Requests of a sheddable SLO class refused at arrival (429): no prefill instance "
+            "was predicted to produce their first token before the deadline.",
+            [SLO_CLASS_LABEL],
             registry=r,
         )
         self.table_reloads = Counter(

@@ -1,11 +1,18 @@
 """Stage 2 of the pipeline: the first token, from a prefill instance.
 
-Picks an instance (the pool's routing policy, with :mod:`~flowprefill.gateway.failover`)
-and sends it a :class:`~flowprefill.contracts.prefill_api.PrefillRequest` carrying the
-class's ``ttft_slo_s`` and the ``elapsed_s`` since gateway arrival. When decode will
-continue the request, prefill is asked to hand off the KV cache, streamed so that
-writing it is not on the time to first token. Records the first-token metrics: TTFT and
-``met``/``missed`` against the class SLO, both from gateway arrival.
+First, admission (:meth:`~flowprefill.gateway.routing.InstancePool.admit`): a request of
+a sheddable class (negative priority) that no instance is predicted to serve before its
+deadline is refused here, 429 with ``Retry-After``
+(:class:`~flowprefill.gateway.errors.ShedError`), before anything is sent; one the routed
+instance would serve late goes to an instance that can. Then the chosen instance (the
+pool's routing policy, with :mod:`~flowprefill.gateway.failover`) is sent a
+:class:`~flowprefill.contracts.prefill_api.PrefillRequest` carrying the class's
+``ttft_slo_s`` and the ``elapsed_s`` since gateway arrival. When decode will continue the
+request, prefill is asked to hand off the KV cache, streamed so that writing it is not on
+the time to first token. Records the first-token metrics: TTFT and
+``met``/``missed`` against the class SLO, both from gateway arrival; and passes the
+instance's reported backlog (:class:`~flowprefill.contracts.prefill_api.PrefillLoad`) to
+the pool for the next admissions.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from flowprefill.contracts.prefill_api import PrefillRequest
+from flowprefill.gateway.admission import Refuse, is_sheddable
+from flowprefill.gateway.errors import ShedError
 from flowprefill.gateway.failover import Placement, failover_call
 from flowprefill.gateway.job import Job
 from flowprefill.gateway.metrics import GatewayMetrics
@@ -49,17 +58,41 @@ class PrefillStage:
             stream=hand_off,
         )
 
+    def admit(self, work: Placement, job: Job) -> None:
+        """Refuse ``job`` (raise :class:`ShedError`, counted per class) or reserve the
+        instance it goes to; decided once: an instance that has it serves it."""
+        decision = self.pool.admit(
+            deadline_s=work.deadline_s,
+            num_tokens=work.num_tokens,
+            sheddable=is_sheddable(job.slo.priority),
+        )
+        if isinstance(decision, Refuse):
+            self.metrics.shed.labels(job.slo.name).inc()
+            raise ShedError(
+                job.slo.name,
+                ttft_slo_s=job.ttft_slo_s,
+                best_finish_in_s=decision.best_finish_s - self.clock(),
+                retry_after_s=decision.retry_after_s,
+            )
+
     async def run(self, job: Job) -> PrefillAnswer:
         """Raises :class:`~flowprefill.gateway.errors.GatewayError` subclasses."""
 
         async def call(inst: Instance) -> PrefillAnswer:
             now = self.clock()
-            return await self.client.prefill(
+            answer = await self.client.prefill(
                 inst.url, self.request(job, now), job.upstream_hints(now)
             )
+            if answer.response.load is not None:
+                self.pool.report_load(inst.url, answer.response.load, answered=job.request_id)
+            return answer
 
         work = Placement(job.request_id, job.deadline_s, len(job.token_ids))
-        answer = await failover_call(self.pool, work, call)
+        self.admit(work, job)
+        try:
+            answer = await failover_call(self.pool, work, call)
+        finally:
+            self.pool.release_reservation(deadline_s=work.deadline_s, num_tokens=work.num_tokens)
         ttft_s = self.clock() - job.arrival_s
         self.metrics.first_token(
             job.slo.name, ttft_s=ttft_s, met=job.met_slo(ttft_s), wait_s=answer.wait_s

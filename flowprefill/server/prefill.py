@@ -12,6 +12,10 @@ Endpoints:
   token exists, then a :class:`~flowprefill.contracts.prefill_api.KVHandoffEvent` once
   the hand-off is written (``null`` if writing failed: decode recomputes), then
   ``[DONE]`` — so the KV write is not on the request's time to first token.
+* ``GET /v1/load`` — the instance's backlog now
+  (:class:`~flowprefill.contracts.prefill_api.PrefillLoad`: tokens still to prefill and the
+  engine's predicted time for them); every prefill answer carries the same in its ``load``
+  field, which the gateway's admission reads (:mod:`flowprefill.gateway.admission`).
 * ``GET /v1/kv/{id}``, ``DELETE /v1/kv/{id}`` — with the ``http`` KV transport: the
   hand-off file (streamed; ``Range`` requests answered, so decode reads the header alone)
   and its removal once decode is done. 404 when it is absent (never written, consumed or
@@ -38,7 +42,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from flowprefill.contracts.deployment import KV_HTTP_PATH, PREFILL_API_PATH
-from flowprefill.contracts.prefill_api import KVHandoffEvent, PrefillRequest, PrefillResponse
+from flowprefill.contracts.prefill_api import (
+    LOAD_PATH,
+    KVHandoffEvent,
+    PrefillLoad,
+    PrefillRequest,
+    PrefillResponse,
+)
 from flowprefill.engine import PrefillEngine
 from flowprefill.errors import (
     EngineClosedError,
@@ -48,6 +58,7 @@ from flowprefill.errors import (
 )
 from flowprefill.kv import SharedDirTransport
 from flowprefill.server.kv_sink import KVSink
+from flowprefill.server.load import backlog
 from flowprefill.web.disconnect import ClientDisconnected, unless_disconnected
 from flowprefill.web.errors import error_response, install_error_handlers
 from flowprefill.web.probes import add_probe_routes
@@ -118,6 +129,7 @@ def create_app(
             met_slo=res.met_slo,
             num_preemptions=res.num_preemptions,
             batch_size=res.batch_size,
+            load=backlog(engine.scheduler),
         )
         write_kv = kv_sink is not None and body.hand_off_kv
 
@@ -151,6 +163,10 @@ def create_app(
         if write_kv:
             answer.kv_transfer_params = await hand_off()
         return answer
+
+    @app.get(LOAD_PATH, response_model=PrefillLoad)
+    async def load() -> PrefillLoad:
+        return backlog(engine.scheduler)
 
     if kv_store is not None:
         _add_kv_routes(app, kv_store)

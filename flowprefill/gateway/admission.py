@@ -1,0 +1,85 @@
+"""Admission at arrival: refuse early what cannot be served in time (issue 12 §2).
+
+One pure decision, called by the gateway (:meth:`flowprefill.gateway.routing.InstancePool.admit`)
+and by the simulator's ``shed-*`` admission policies (:mod:`flowprefill.sim.gateway`), so
+the policy measured in simulation is the one that serves:
+
+* A class with a negative ``priority`` is *sheddable* (the SLOClass CRD's contract). Any
+  other class is never refused for lateness: it goes where routing sent it.
+* A sheddable request goes to the routed instance if its first token is predicted there
+  before the deadline; else to the instance where it is predicted earliest among those
+  that make the deadline (route elsewhere); else it is refused, with a retry delay.
+
+Callers supply, per instance, the predicted time the request's first token would be ready
+there (:func:`predicted_finish_s`: the work due before it plus its own, through the
+engine's TTFT predictor). The decision is made once, before the request is sent: once an
+instance has it, it is served however late (the engine never drops a request).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+MIN_RETRY_AFTER_S = 1.0
+"""HTTP ``Retry-After`` counts whole seconds; a refusal never asks for less than one."""
+
+
+def is_sheddable(priority: int) -> bool:
+    """Negative priority: the class may be refused under overload."""
+    return priority < 0
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """What one instance would do with the request: its first token at ``finish_s``."""
+
+    index: int
+    finish_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    index: int
+    """The instance that gets the request."""
+    rerouted: bool = False
+    """True when it is not the instance routing preferred (that one would be too late)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    retry_after_s: float
+    """When a retry is predicted to fit: the best instance's lateness, at least 1 s."""
+    best_finish_s: float
+    """The earliest predicted first token over the instances (past the deadline)."""
+
+
+Decision = Accept | Refuse
+
+
+def predicted_finish_s(
+    now_s: float, tokens_ahead: float, num_tokens: int, predict_s: Callable[[int], float]
+) -> float:
+    """First token of a request of ``num_tokens`` behind ``tokens_ahead`` tokens of work
+    due before it, predicted as one prefill of both (an EDF engine runs that work first)."""
+    return now_s + predict_s(round(tokens_ahead) + num_tokens)
+
+
+def decide(
+    *, sheddable: bool, deadline_s: float, estimates: Sequence[Estimate], preferred: int
+) -> Decision:
+    """Accept on ``preferred`` (the routing policy's pick), on another instance that makes
+    ``deadline_s``, or refuse. ``estimates`` must include ``preferred``; a non-sheddable
+    request is always accepted on ``preferred``."""
+    by_index = {e.index: e for e in estimates}
+    if preferred not in by_index:
+        raise ValueError(f"preferred instance {preferred} has no estimate")
+    if not sheddable or by_index[preferred].finish_s <= deadline_s:
+        return Accept(preferred)
+    best = min(estimates, key=lambda e: (e.finish_s, e.index))
+    if best.finish_s <= deadline_s:
+        return Accept(best.index, rerouted=True)
+    # The queue ahead drains by about this much before the same request could make it.
+    late_s = best.finish_s - deadline_s
+    return Refuse(max(MIN_RETRY_AFTER_S, float(math.ceil(late_s))), best.finish_s)
