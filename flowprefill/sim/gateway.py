@@ -11,7 +11,15 @@ Admission (per instance, at arrival, before the request joins ``Q_w``):
   once and can answer early or reroute instead of letting it wait to miss.
 * ``shed-queue`` — also count the work queued ahead of it: the remaining tokens of every
   runnable entry with an earlier deadline that is not already late, predicted as one batch
-  together with the new request (optimistic, so only clearly doomed requests go).
+  together with the new request (optimistic, so only clearly doomed requests go). This is
+  the gateway's estimate (:meth:`flowprefill.gateway.routing.InstancePool.admit`), here
+  read from the instance's queues.
+
+Both shed only *sheddable* classes — a negative priority, as in the SLOClass CRD — and
+decide with the gateway's own function (:func:`flowprefill.gateway.admission.decide`) on
+the instance the router chose (:data:`SIM_PRIORITIES`: the paper's task types with
+``file`` sheddable, unless a run says otherwise). Built without priorities, every class
+is sheddable (the earlier experiment).
 
 Routing (across ``--instances`` prefill instances), by the gateway's names and rules
 (:class:`flowprefill.gateway.routing.InstancePool`):
@@ -32,10 +40,19 @@ running task counts only its remaining tokens here.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from flowprefill.contracts import names
+from flowprefill.contracts.slo import PAPER_PRIORITIES
+from flowprefill.gateway.admission import (
+    Estimate,
+    Refuse,
+    decide,
+    is_sheddable,
+    predicted_finish_s,
+)
 from flowprefill.request import Request, Task
 from flowprefill.scheduler.core import Scheduler
 
@@ -85,10 +102,41 @@ def queue_aware_slack_s(
     return request.deadline_s - now_s - scheduler.predict_s(round(ahead) + request.num_tokens)
 
 
+SIM_PRIORITIES: dict[str, int] = {**PAPER_PRIORITIES, "file": -10}
+"""Class priorities of the simulator's shedding systems: the paper's, with ``file`` (the
+least urgent task type, 4 % of requests, 14 % of the tokens) sheddable."""
+
+
+def sheddable_classes(priorities: Mapping[str, int]) -> frozenset[str]:
+    return frozenset(c for c, p in priorities.items() if is_sheddable(p))
+
+
 class Admission(Protocol):
     name: names.Admission
 
     def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool: ...
+
+
+class _Shed(ABC):
+    """Admission by :func:`~flowprefill.gateway.admission.decide` on one instance;
+    ``sheddable``: the classes it may refuse (None: every class)."""
+
+    def __init__(self, sheddable: frozenset[str] | None = None) -> None:
+        self.sheddable = sheddable
+
+    @abstractmethod
+    def finish_s(self, request: Request, scheduler: Scheduler, now_s: float) -> float:
+        """When ``request``'s first token is predicted on the instance of ``scheduler``."""
+
+    def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool:
+        sheddable = self.sheddable is None or request.slo_class in self.sheddable
+        if not sheddable:
+            return True
+        estimate = Estimate(0, self.finish_s(request, scheduler, now_s))
+        decision = decide(
+            sheddable=True, deadline_s=request.deadline_s, estimates=[estimate], preferred=0
+        )
+        return not isinstance(decision, Refuse)
 
 
 class AdmitAll:
@@ -98,18 +146,19 @@ class AdmitAll:
         return True
 
 
-class ShedInfeasible:
+class ShedInfeasible(_Shed):
     name = names.Admission.SHED_INFEASIBLE
 
-    def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool:
-        return request.deadline_s - now_s - scheduler.predict_s(request.num_tokens) >= 0
+    def finish_s(self, request: Request, scheduler: Scheduler, now_s: float) -> float:
+        return predicted_finish_s(now_s, 0.0, request.num_tokens, scheduler.predict_s)
 
 
-class ShedQueue:
+class ShedQueue(_Shed):
     name = names.Admission.SHED_QUEUE
 
-    def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool:
-        return queue_aware_slack_s(scheduler, request, now_s, skip_late=True) >= 0
+    def finish_s(self, request: Request, scheduler: Scheduler, now_s: float) -> float:
+        ahead = tokens_ahead(scheduler, request, now_s, skip_late=True)
+        return predicted_finish_s(now_s, ahead, request.num_tokens, scheduler.predict_s)
 
 
 ADMISSIONS: dict[names.Admission, type[Admission]] = {
@@ -117,9 +166,16 @@ ADMISSIONS: dict[names.Admission, type[Admission]] = {
 }
 
 
-def get_admission(name: str | names.Admission) -> Admission:
-    """Build an admission policy by name, parsed by :meth:`names.Admission.parse`."""
-    return ADMISSIONS[names.Admission.parse(name)]()
+def get_admission(
+    name: str | names.Admission, priorities: Mapping[str, int] | None = None
+) -> Admission:
+    """Build an admission policy by name, parsed by :meth:`names.Admission.parse`; a
+    shedding one refuses only the classes ``priorities`` marks sheddable (None: any)."""
+    kind = ADMISSIONS[names.Admission.parse(name)]
+    if kind is AdmitAll:
+        return AdmitAll()
+    sheddable = None if priorities is None else sheddable_classes(priorities)
+    return kind(sheddable)  # type: ignore[call-arg]
 
 
 class Router(Protocol):

@@ -16,7 +16,7 @@ Baseline modelling choices (docs/simulator.md, "Systems"):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -29,7 +29,7 @@ from flowprefill.scheduler.policies import get_policy
 from flowprefill.scheduler.round import LIVE_PROGRESS
 from flowprefill.sim.cost import CostModel
 from flowprefill.sim.driver import Instance, SimResult, Simulation
-from flowprefill.sim.gateway import get_admission, get_router
+from flowprefill.sim.gateway import SIM_PRIORITIES, get_admission, get_router
 from flowprefill.sim.plan import Granularity
 from flowprefill.sim.pool import SimulatedPool
 from flowprefill.sim.workload import Workload
@@ -153,11 +153,13 @@ def build_instance(
     max_blocking_s: float | None = None,
     parked_memory_bytes: int | None = None,
     parked_bytes: ParkedBytesFn | None = None,
+    priorities: Mapping[str, int] = SIM_PRIORITIES,
 ) -> Instance:
     """``max_blocking_s`` splits operators at run time (only systems that preempt at
     operator level, as the engine; the baselines are unchanged). ``parked_memory_bytes``
     bounds the bytes parked tasks hold, as the engine's does, with ``parked_bytes`` the
-    bound on one task (the simulated pool measures nothing: parked tasks count at it)."""
+    bound on one task (the simulated pool measures nothing: parked tasks count at it).
+    ``priorities``: class -> priority; a shedding system refuses only negative ones."""
     scheduler = Scheduler(
         predict_s=predict_s,
         policy=get_policy(spec.policy),
@@ -166,7 +168,8 @@ def build_instance(
         parked_memory=ParkedMemory(parked_memory_bytes, parked_bytes),
     )
     pool = SimulatedPool(cost, spec.granularity, spec.chunk_size, max_blocking_s)
-    return Instance(scheduler, pool, get_admission(spec.admission), live_progress=live_progress)
+    admission = get_admission(spec.admission, priorities)
+    return Instance(scheduler, pool, admission, live_progress=live_progress)
 
 
 def run_system(
@@ -182,12 +185,18 @@ def run_system(
     miss_budget: int | None = None,
     live_progress: bool = LIVE_PROGRESS,
     max_blocking_s: float | None = None,
+    priorities: Mapping[str, int] = SIM_PRIORITIES,
 ) -> SimResult:
     """One simulated run of ``workload`` at ``rate`` req/s (over all instances)."""
     predict_s = cached_predict(predictor or fit_predictor(cost))
     instances = [
         build_instance(
-            spec, cost, predict_s, live_progress=live_progress, max_blocking_s=max_blocking_s
+            spec,
+            cost,
+            predict_s,
+            live_progress=live_progress,
+            max_blocking_s=max_blocking_s,
+            priorities=priorities,
         )
         for _ in range(num_instances)
     ]
