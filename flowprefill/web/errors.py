@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -106,10 +107,42 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(400, "request body is not valid JSON: not UTF-8 text")
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}")
+    app.add_middleware(UnexpectedErrors)
+
+
+class UnexpectedErrors:
+    """ASGI middleware: an exception no handler took is answered 500 (unless the response
+    has started) and logged by type and traceback, not by message: a message may echo the
+    request (pydantic's ``input_value``, a tokenizer's input), and logs carry request ids,
+    never prompt text. Not re-raised: Starlette's outermost middleware would hand it on to
+    uvicorn, which logs it whole."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            log.error(
+                "unhandled %s (message withheld: it may echo the request)\n%s",
+                type(exc).__name__,
+                "".join(traceback.format_tb(exc.__traceback__)).rstrip(),
+            )
+            if not started:
+                await error_response(500, f"internal error: {type(exc).__name__}")(
+                    scope, receive, send
+                )
 
 
 class BodySizeLimit:
