@@ -90,8 +90,10 @@ def local_stack(
     policy: str = "s-edf",
     routing: str = "slack-aware",
     table_refresh_s: float = 0.05,
+    decode_urls: tuple[str, ...] = (),
 ) -> Iterator[dict[str, Any]]:
-    """Prefill instances (threads, real tiny model) behind a real gateway, no decode."""
+    """Prefill instances (threads, real tiny model) behind a real gateway; decode instances
+    only at ``decode_urls`` (none by default)."""
     from contextlib import ExitStack
 
     from flowprefill.contracts import Endpoint, GatewayConfig
@@ -116,7 +118,7 @@ def local_stack(
             service="t",
             model_name="tiny",
             tokenizer_path=str(model_dir),
-            decode=[],
+            decode=[Endpoint(pool="d", host="h", port=1, url=u) for u in decode_urls],
             prefill=[Endpoint(pool="p", host="h", port=1, url=u) for u in urls],
             prefill_routing=routing,
         )

@@ -1,8 +1,9 @@
 """Stage 1 of the pipeline: admit an OpenAI request as a :class:`~flowprefill.gateway.job.Job`.
 
-Checks the model name (404), classifies into an SLO class and TTFT target from what the
-request asks (:mod:`flowprefill.gateway.slo_request`, :mod:`flowprefill.gateway.classify`),
-tokenizes the prompt or chat (a prompt of token ids
+Checks the model name (404) and the fields sent (a 400 naming one the gateway refuses:
+:mod:`flowprefill.gateway.openai_fields`), classifies into an SLO class and TTFT target
+from what the request asks (:mod:`flowprefill.gateway.slo_request`,
+:mod:`flowprefill.gateway.classify`), tokenizes the prompt or chat (a prompt of token ids
 must stay within the vocabulary), and refuses a prompt plus output budget over the
 context length (400 naming ``max_tokens`` or ``prompt``).
 Pure but for the tokenizer: no HTTP, no upstream.
@@ -49,14 +50,28 @@ def admit(
     :class:`~flowprefill.gateway.errors.ClientError`, or
     :class:`~flowprefill.errors.InvalidRequestError` when no class fits."""
     check_model(body.model, model_name)
+    for field, message in body.refusals():
+        raise ClientError(400, message, param=field)
     asked = slo_request(headers, body_class=body.slo_class, body_priority=body.priority)
     classification = classify(table, asked, headers=headers, model=body.model, path=path)
     if isinstance(body, ChatCompletionRequest):
+        kwargs = body.chat_template_kwargs or {}
+        if kwargs.get("chat_template") is not None:
+            raise ClientError(
+                400,
+                "chat_template_kwargs.chat_template is not served: chats are rendered with "
+                "the model's own template",
+                param="chat_template_kwargs",
+            )
         token_ids = tokenizer.encode_chat(
-            [{"role": msg.role, "content": msg.text()} for msg in body.messages]
+            [msg.for_template() for msg in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            add_special_tokens=body.add_special_tokens,
+            template_kwargs=kwargs,
         )
     elif isinstance(body.prompt, str):
-        token_ids = tokenizer.encode_prompt(body.prompt)
+        token_ids = tokenizer.encode_prompt(body.prompt, body.add_special_tokens)
     else:
         token_ids = list(body.prompt)
         tokenizer.check_token_ids(token_ids, "prompt")

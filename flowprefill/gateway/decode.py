@@ -1,10 +1,10 @@
 """Stage 3 of the pipeline: what follows the first token.
 
-A first token that is end-of-sequence (unless the request asks vLLM's ``ignore_eos``), or
-an output budget of one token, ends the request here. Otherwise a decode instance (vLLM)
-continues from the prompt *plus* the first token, loading the prompt's KV through the
-hand-off (awaited first: the first token went out before prefill finished writing it),
-picked with :mod:`~flowprefill.gateway.failover`.
+A first token that is end-of-sequence (unless the request asks vLLM's ``ignore_eos``) or
+one of its ``stop_token_ids``, or an output budget of one token, ends the request here.
+Otherwise a decode instance (vLLM) continues from the prompt *plus* the first token,
+loading the prompt's KV through the hand-off (awaited first: the first token went out
+before prefill finished writing it), picked with :mod:`~flowprefill.gateway.failover`.
 
 Who deletes the hand-off: once a decode instance may hold the request, its connector
 deletes the hand-off when the request ends there (the gateway deleting it too could pull
@@ -58,7 +58,7 @@ class DecodeStage:
         """The pieces after the first token, the last with a finish reason. Raises
         :class:`~flowprefill.gateway.errors.GatewayError` subclasses; a consumer that stops
         early must ``aclose()`` it (the decode stream is then closed at once)."""
-        if answer.first_token_id in self.eos_token_ids and not job.body.ignore_eos:
+        if job.body.first_token_ends(answer.first_token_id, self.eos_token_ids):
             self.prefill_client.release(answer)
             yield Piece("", "stop")
             return

@@ -1,8 +1,10 @@
-"""The parts of the OpenAI completions / chat completions request bodies the gateway uses,
-and vLLM's ``/tokenize`` / ``/detokenize`` bodies.
+"""The OpenAI completions / chat completions request bodies (with vLLM's extra fields), and
+vLLM's ``/tokenize`` / ``/detokenize`` bodies.
 
-Unknown fields are accepted and ignored (clients send many), but the fields we use are
-validated with messages that name them.
+The fields the gateway itself serves are declared here and validated with messages that
+name them; every other field a body carries is judged by
+:func:`flowprefill.gateway.openai_fields.check_extra_fields` (passed to decode, accepted
+with no effect, or refused naming the field) — :meth:`SamplingFields.refusals`.
 """
 
 from __future__ import annotations
@@ -11,12 +13,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from flowprefill.gateway.openai_fields import PASSED_TO_DECODE, check_extra_fields
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: bool = Field(
+    include_usage: bool | None = Field(
         False, description="Send a last chunk with the usage and no choices (OpenAI semantics)."
+    )
+    continuous_usage_stats: bool | None = Field(
+        False, description="vLLM's usage in every chunk: refused (not served)."
     )
 
 
@@ -57,17 +64,50 @@ class SamplingFields(BaseModel):
     def output_budget(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16
 
+    def refusals(self) -> list[tuple[str, str]]:
+        """(field, message) for each field sent that the gateway refuses (empty: none)."""
+        problems = check_extra_fields(self.model_extra or {}, set(type(self).model_fields))
+        options = self.stream_options
+        if options is not None and options.continuous_usage_stats:
+            problems.append(
+                (
+                    "stream_options.continuous_usage_stats",
+                    "stream_options.continuous_usage_stats is not served: usage comes in "
+                    "the last chunk only (include_usage)",
+                )
+            )
+        return problems
+
     def decode_sampling(self) -> dict[str, Any]:
-        """Sampling fields forwarded to the decode instance as they were given."""
+        """Sampling fields forwarded to the decode instance as they were given
+        (:data:`~flowprefill.gateway.openai_fields.PASSED_TO_DECODE`)."""
         keys = ("temperature", "top_p", "seed", "stop")
         sampling = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         if self.ignore_eos:
             sampling["ignore_eos"] = True
+        extra = self.model_extra or {}
+        sampling |= {k: v for k, v in extra.items() if k in PASSED_TO_DECODE and v is not None}
         return sampling
+
+    def first_token_ends(self, token_id: int, eos_token_ids: set[int]) -> bool:
+        """Whether the first token ends the answer as vLLM would end it there: an
+        end-of-sequence token (unless ``ignore_eos``) or one of ``stop_token_ids``."""
+        stop_ids = (self.model_extra or {}).get("stop_token_ids") or ()
+        return (token_id in eos_token_ids and not self.ignore_eos) or token_id in stop_ids
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(description="Text, or a list of token ids.")
+    prompt: str | list[int] = Field(
+        description="Text, or a list of token ids (one prompt: a list of prompts is refused)."
+    )
+    add_special_tokens: bool = Field(True, description="vLLM's: add the tokenizer's BOS etc.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
+            raise ValueError("one prompt per request: a list of prompts is not served")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -83,17 +123,54 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(
+        cls, v: str | list[dict[str, Any]] | None
+    ) -> str | list[dict[str, Any]] | None:
+        # A text-only model: dropping an image part would answer a different question.
+        for part in v if isinstance(v, list) else ():
+            if part.get("type") != "text":
+                raise ValueError(
+                    f"content part of type {part.get('type')!r} is not served (text only)"
+                )
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        # Content parts: only text is understood by a text-only model.
-        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+        return "".join(str(p.get("text", "")) for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: role, text, and whatever else the
+        client sent with it (``name``, ``tool_calls``, ``tool_call_id``, ...), as vLLM
+        passes them on."""
+        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = Field(True, description="End with the assistant's header.")
+    continue_final_message: bool = Field(
+        False, description="Leave the last message open (exclusive with the above)."
+    )
+    add_special_tokens: bool = Field(
+        False, description="Add the tokenizer's special tokens on top of the template's."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the model's chat template."
+    )
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                "True (add_generation_prompt defaults to true)."
+            )
+        return self
 
 
 # vLLM's /tokenize and /detokenize (vllm/entrypoints/serve/tokenize/protocol.py, 0.32):

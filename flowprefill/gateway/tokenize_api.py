@@ -67,7 +67,7 @@ def tokenize(
                 param="chat_template",
             )
         ids = tokenizer.encode_chat(
-            [{"role": m.role, "content": m.text()} for m in body.messages],
+            [m.for_template() for m in body.messages],
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             add_special_tokens=body.add_special_tokens,

@@ -65,7 +65,7 @@ class Tokenizer:
 
     def encode_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
