@@ -30,7 +30,7 @@ import torch
 
 from flowprefill.contracts.kv import HandoffRef
 from flowprefill.kv import ModelFingerprint, SharedDirTransport, build_handoff
-from flowprefill.kv.format import DTYPES
+from flowprefill.kv.format import DTYPES, KVReader
 from flowprefill.kv.paged import to_token_major
 
 DEMO = ModelFingerprint(
@@ -79,7 +79,15 @@ def format_costs(num_tokens: int, dtype: str, root: Path, repeats: int) -> dict[
         "put_ms": _median_ms(lambda: transport.put("bench", handoff), repeats),
         "header_ms": _median_ms(lambda: transport.header("bench"), repeats),
         "read_ms": _median_ms(read, repeats),
+        # What the http transport adds to each download: every byte against the digest
+        # and CRC-32 (the bytes crossed the network from a peer that may be broken).
+        "verify_ms": _median_ms(lambda: verify(transport.path("bench")), repeats),
     }
+
+
+def verify(path: Path) -> None:
+    with KVReader(path) as reader:
+        reader.verify()
 
 
 def vllm_ttft(lengths: list[int], work: Path, repeats: int) -> list[dict[str, Any]]:
@@ -162,12 +170,13 @@ def main() -> None:
         out["format"] = rows
         print(
             f"{'tokens':>7} {'dtype':>9} {'MiB':>6} {'build':>8} {'put':>8} {'header':>8} "
-            f"{'read':>8}   (ms, median of {args.repeats})"
+            f"{'read':>8} {'verify':>8}   (ms, median of {args.repeats})"
         )
         for r in rows:
             print(
                 f"{r['tokens']:>7} {r['dtype']:>9} {r['MiB']:>6.1f} {r['build_ms']:>8.1f} "
-                f"{r['put_ms']:>8.1f} {r['header_ms']:>8.2f} {r['read_ms']:>8.1f}"
+                f"{r['put_ms']:>8.1f} {r['header_ms']:>8.2f} {r['read_ms']:>8.1f} "
+                f"{r['verify_ms']:>8.1f}"
             )
         if args.vllm:
             out["vllm"] = vllm_ttft(lengths, Path(tmp), args.repeats)

@@ -44,8 +44,9 @@ one in each worker):
   the tokens) is reported through ``get_block_ids_with_load_errors``; vLLM then fails the
   request or recomputes the blocks per ``kv_load_failure_policy`` (set ``"recompute"``).
 * **Integrity.** The header check covers format, version, shapes and the token-id
-  digest; the CRC-32 over tensor data is *not* recomputed on this hot path (it would
-  read every byte twice) — partial files cannot occur (atomic rename), and
+  digest. Over ``http`` every download is verified in full (digest and CRC-32) before it
+  is kept; on a ``shared_dir`` volume the CRC-32 is not recomputed on this hot path (it
+  would read every byte twice) — partial files cannot occur (atomic rename), and
   ``read_handoff`` verifies it where a full check is wanted.
 * **Tensor parallelism.** A hand-off holds *all* KV heads of the model, whatever the
   prefill's TP degree (its rank 0 gathers the ranks' heads and writes one file). A decode

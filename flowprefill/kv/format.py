@@ -180,8 +180,7 @@ def token_ids_digest(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _crc(tensors: Sequence[torch.Tensor]) -> int:
-    crc = 0
+def _crc(tensors: Sequence[torch.Tensor], crc: int = 0) -> int:
     for tensor in tensors:
         crc = zlib.crc32(tensor.contiguous().view(torch.uint8).numpy().data, crc)
     return crc
@@ -303,6 +302,17 @@ class KVReader:
         key = self._file.get_slice(f"k.{index}")[:, start:stop, :]
         value = self._file.get_slice(f"v.{index}")[:, start:stop, :]
         return key, value
+
+    def verify(self) -> None:
+        """Check every byte: the token ids against their digest and the tensor data
+        against its CRC-32, one layer at a time (memory: one layer). Raises
+        :class:`KVFormatError` naming the file."""
+        self.token_ids()
+        crc = 0
+        for i in range(self.header.num_layers):
+            crc = _crc(self.layer(i), crc)
+        if crc != self.header.checksum:
+            raise KVFormatError(f"{self.path}: tensor data fails its CRC-32 (corrupted)")
 
     def read_all(self, verify_checksum: bool = True) -> KVHandoff:
         layers = [self.layer(i) for i in range(self.header.num_layers)]

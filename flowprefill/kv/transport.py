@@ -168,7 +168,9 @@ class HTTPPullTransport:
     * :meth:`open` (the worker, before the forward pass): download the whole file once into
       ``<cache_dir>/<id>.kv.safetensors`` — streamed to a temp file, size-checked against
       ``max_bytes``, ``Content-Length`` and the size the header implies, then renamed — and
-      read it lazily from there. Later calls use the local copy.
+      read it lazily from there; with ``verify_checksum`` (default) every byte is checked
+      against the hand-off's token-id digest and CRC-32 first, since the bytes crossed the
+      network from a peer that may be broken or hostile. Later calls use the local copy.
     * :meth:`delete`: remove the local copy and ``DELETE`` at the source in the background
       (best effort: the prefill side sweeps what is never deleted). :meth:`discard`: the
       local copy only.
@@ -191,6 +193,7 @@ class HTTPPullTransport:
         max_download_s: float = 60.0,
         max_bytes: int = 32 * 2**30,
         cache_max_age_s: float = 600.0,
+        verify_checksum: bool = True,
     ) -> None:
         if min(timeout_s, header_timeout_s, max_download_s, max_bytes) <= 0:
             raise KVHandoffError("http transport: timeouts and max_bytes must be positive")
@@ -200,6 +203,7 @@ class HTTPPullTransport:
         self.max_download_s = float(max_download_s)
         self.max_bytes = int(max_bytes)
         self.cache_max_age_s = float(cache_max_age_s)
+        self.verify_checksum = verify_checksum
         self._client: httpx.Client | None = None
         self._deleter: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
@@ -325,6 +329,9 @@ class HTTPPullTransport:
                 raise KVFormatError(
                     f"{url}: truncated hand-off: {got} bytes, its header implies {size}"
                 )
+            if self.verify_checksum:
+                with KVReader(tmp) as reader:
+                    reader.verify()
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flowprefill.contracts.kv import HandoffRef
-from flowprefill.errors import KVHandoffError
+from flowprefill.errors import KVFormatError, KVHandoffError
 from flowprefill.kv import (
     HTTPPullTransport,
     ModelFingerprint,
@@ -264,7 +264,9 @@ def test_pulled_bodies_are_refused_or_exact(
     flips: list[tuple[int, int]],
 ) -> None:
     """The ``http`` transport's header (range request) and download of a damaged file:
-    a KVHandoffError, or exactly the KV written; no partial file left in the cache."""
+    a KVHandoffError, or exactly the KV written — read as the worker reads it, without a
+    CRC check of its own, so the download's check is what guards it; no partial file left
+    in the cache."""
     url, store = kv_server
     data = bytearray(good_bytes if cut is None else good_bytes[: cut % len(good_bytes)])
     for pos, mask in flips:
@@ -280,7 +282,7 @@ def test_pulled_bodies_are_refused_or_exact(
         try:
             bounded(lambda: transport.header(ref))
             with transport.open(ref) as reader:
-                got = reader.read_all()
+                got = reader.read_all(verify_checksum=False)
         except KVHandoffError:
             assert [p.name for p in cache.iterdir()] in ([], ["x.kv.safetensors"])
             return
@@ -346,3 +348,26 @@ def test_decode_recomputes_when_the_handoff_is_refused(
     SharedDirTransport(tmp_path).path("h2").write_bytes(good_bytes)
     ok = request("b", prompt, HandoffRef("h2").to_params())
     assert matched(conn, ok) == (NUM_TOKENS, False)
+
+
+def test_a_flipped_tensor_byte_is_refused_at_download(
+    tmp_path: Path, good_bytes: bytes, kv_server: tuple[str, SharedDirTransport]
+) -> None:
+    """The last byte of the file is tensor data: a flip there passes every structural
+    check, and only the CRC-32 the download verifies catches it (unchecked, it is loaded)."""
+    url, store = kv_server
+    data = bytearray(good_bytes)
+    data[-1] ^= 0x01
+    store.path("flip").write_bytes(bytes(data))
+    ref = HandoffRef("flip", source=url)
+    unchecked = HTTPPullTransport(tmp_path / "a", verify_checksum=False)
+    checked = HTTPPullTransport(tmp_path / "b")
+    try:
+        with unchecked.open(ref) as reader:
+            assert not same_as_written(reader.read_all(verify_checksum=False))
+        with pytest.raises(KVFormatError, match="CRC-32"):
+            checked.open(ref)
+        assert list((tmp_path / "b").iterdir()) == []  # nothing kept
+    finally:
+        unchecked.close()
+        checked.close()
