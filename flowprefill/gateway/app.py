@@ -37,6 +37,7 @@ from flowprefill.gateway.admit import admit
 from flowprefill.gateway.classify import Classification, fallback_note
 from flowprefill.gateway.decode import DecodeStage
 from flowprefill.gateway.errors import ClientError, GatewayError, as_gateway_error
+from flowprefill.gateway.health import HealthProber
 from flowprefill.gateway.job import Job
 from flowprefill.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from flowprefill.gateway.prefill import PrefillStage
@@ -80,10 +81,18 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         watcher = asyncio.create_task(_watch_table(state))
+        pools = [p for p in (state.prefill_pool, state.decode_pool) if p is not None]
+        prober = (
+            asyncio.create_task(HealthProber(pools, state.health_probe).run())
+            if state.health_probe is not None
+            else None
+        )
         try:
             yield
         finally:
             watcher.cancel()
+            if prober is not None:
+                prober.cancel()
             await state.prefill_client.http.aclose()
 
     app = FastAPI(title="FlowPrefill gateway", lifespan=lifespan)
