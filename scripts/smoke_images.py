@@ -1,0 +1,298 @@
+"""Smoke-run the images scripts/build_images.sh built, as the operator's pods run them.
+
+Each image runs the command, environment and volumes its pod gets (the operator's builders
+for prefill and gateway, the Helm chart's for the operator), under the conditions of
+scripts/image_sandbox.py (read-only root, writable only the pod's emptyDirs, the image's
+non-root USER, no privileges), and must then do its job:
+
+- prefill: answers ``/health`` and serves a ``POST /v1/prefill`` on the tiny built-in model
+  (built on the host, mounted read-only where the pod mounts the model PVC);
+- gateway: answers ``/health`` with the gateway.json and SLO table the operator renders;
+- operator: ``kopf run`` with the chart's arguments imports the handlers module and gets as
+  far as logging in (no cluster here: it must fail there, and only there), and the
+  handlers module registers its kopf handlers in the image;
+- decode: imports vLLM and the FlowPrefill KV connector the decode command names, which
+  must be a vLLM v1 KV connector (serving a model with vLLM on CPU is left to docs/kv.md).
+
+While a server runs, every one of its processes is checked from the host
+(image_sandbox.check_hardened). Usage: ``python scripts/smoke_images.py [--tag dev] NAME...``
+(as root, with the repository's venv: it imports flowprefill and flowprefill_operator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from flowprefill_operator.builders.common import PoolRef
+from flowprefill_operator.builders.gateway import build_gateway_children
+from flowprefill_operator.builders.pool import build_pool_children, pool_process
+from flowprefill_operator.models import ServingPoolSpec
+from flowprefill_operator.settings import OperatorSettings
+from image_sandbox import (
+    WORK_DIR,
+    ImageConfig,
+    PodMounts,
+    Sandboxed,
+    check_hardened,
+    host_tool,
+    inspect_processes,
+    probe_writes,
+    run_in_image,
+)
+
+from flowprefill.contracts import SLOTable
+from flowprefill.contracts.deployment import HEALTH_PATH, PREFILL_API_PATH
+from flowprefill.contracts.prefill_api import PrefillResponse
+
+MODEL = "tiny-llama"
+MODEL_MOUNT = "/models"
+POD_IP = "127.0.0.1"
+OPERATOR_EMPTY_DIRS = ["/tmp"]  # charts/flowprefill/templates/deployment.yaml: volume "tmp"
+Manifest = dict[str, Any]
+
+
+def pool(role: str) -> PoolRef:
+    spec = ServingPoolSpec.model_validate(
+        {
+            "service": "smoke",
+            "role": role,
+            "model": {
+                "path": f"{MODEL_MOUNT}/{MODEL}",
+                "pvc": {"claimName": "models", "mountPath": MODEL_MOUNT},
+            },
+            "resources": {"gpusPerPod": 0, "cpu": "1"},
+        }
+        | ({"engine": {"device": "cpu", "dtype": "float32"}} if role == "prefill" else {})
+    )
+    return PoolRef(name=f"smoke-{role}", namespace="default", uid=f"uid-{role}", spec=spec)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((POD_IP, 0))
+        return int(s.getsockname()[1])
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command and env values."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def pod_container(
+    children: list[Manifest], model_dir: Path, files: Path
+) -> tuple[list[str], dict[str, str], PodMounts]:
+    """The container of the one Deployment in ``children``, made runnable here: its
+    ConfigMaps written to ``files``, the model PVC bound to ``model_dir``."""
+    configmaps = {c["metadata"]["name"]: c["data"] for c in children if c["kind"] == "ConfigMap"}
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env: dict[str, str] = {}
+    for item in container["env"]:
+        if "valueFrom" in item:  # status.podIP
+            env[item["name"]] = POD_IP
+        else:
+            env[item["name"]] = expand(item["value"], env)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = PodMounts()
+    for mount in container["volumeMounts"]:
+        volume, target = volumes[mount["name"]], mount["mountPath"]
+        if "emptyDir" in volume:
+            mounts.empty_dirs.append(target)
+        elif "configMap" in volume:
+            data = configmaps[volume["configMap"]["name"]]
+            folder = files / mount["name"]
+            folder.mkdir(parents=True, exist_ok=True)
+            for key, text in data.items():
+                (folder / key).write_text(text)
+            sub = mount.get("subPath")
+            mounts.read_only[target] = folder / sub if sub else folder
+        elif "persistentVolumeClaim" in volume:
+            mounts.read_only[target] = model_dir
+        else:
+            raise SystemExit(f"volume {volume} not reproduced by the smoke run")
+    argv = [expand(a, env) for a in container["command"]]
+    return argv, env, mounts
+
+
+def wait_http(run: Sandboxed, url: str, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if run.proc.poll() is not None:
+            raise AssertionError(f"exited with {run.proc.returncode}:\n{run.output()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                return int(answer.status)
+        except (urllib.error.URLError, OSError):
+            time.sleep(1)
+    raise AssertionError(f"no answer from {url} in {timeout_s:.0f} s:\n{run.output()[-3000:]}")
+
+
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return dict(json.loads(answer.read()))
+
+
+def report_hardened(run: Sandboxed, image: str, empty_dirs: list[str]) -> None:
+    uid, _ = ImageConfig.of(image).uid_gid()
+    facts = inspect_processes(run)
+    check_hardened(facts, uid, empty_dirs)
+    for f in facts:
+        print(f"    pid {f.pid} uid {f.uids[0]} gid {f.gids[0]} groups {list(f.groups)} "
+              f"no_new_privs {f.no_new_privs} caps {f.cap_eff:#x} / ro {f.root_read_only} "
+              f"writable {list(f.writable_mounts)}: {f.command[:70]}")  # fmt: skip
+
+
+def serve(image: str, children: list[Manifest], model_dir: Path, name: str) -> Callable[..., None]:
+    """Start the pod's server on a free port; hand (run, base_url, empty_dirs) to a probe."""
+
+    def go(probe: Callable[[Sandboxed, str], None]) -> None:
+        argv, env, mounts = pod_container(children, model_dir, WORK_DIR / f"{name}-files")
+        port = free_port()
+        # The host's network is shared with other programs: a free port, on loopback.
+        argv += ["--host", POD_IP, "--port", str(port)]
+        print(f"  {name}: {' '.join(argv)}")
+        print(f"    emptyDirs {mounts.empty_dirs}, read-only {sorted(mounts.read_only)}")
+        with run_in_image(image, argv, env, mounts, name) as run:
+            base = f"http://{POD_IP}:{port}"
+            assert wait_http(run, base + HEALTH_PATH, timeout_s=300) == 200
+            probe(run, base)
+            report_hardened(run, image, mounts.empty_dirs)
+        print(f"    writes as the image's user: {probe_writes(image, mounts, name)}")
+
+    return go
+
+
+def smoke_prefill(image: str, model_dir: Path) -> None:
+    def probe(run: Sandboxed, base: str) -> None:
+        prompt = list(range(1, 33))
+        body = {"request_id": "smoke-1", "prompt_token_ids": prompt, "ttft_slo_s": 60.0}
+        answer = PrefillResponse.model_validate(post_json(base + PREFILL_API_PATH, body))
+        assert answer.num_prompt_tokens == len(prompt), answer
+        print(f"    prefill answered: first token {answer.first_token_id}, "
+              f"{answer.num_prompt_tokens} tokens, ttft {answer.ttft_s * 1000:.0f} ms")  # fmt: skip
+
+    serve(image, build_pool_children(pool("prefill"), OperatorSettings()), model_dir, "prefill")(
+        probe
+    )
+
+
+def smoke_gateway(image: str, model_dir: Path) -> None:
+    table = SLOTable.model_validate(
+        {"default_class": "chat", "classes": [{"name": "chat", "task_type": "text",
+         "ttft_slo_ms": 500, "priority": 1, "attainment_target": 0.9}]}
+    )  # fmt: skip
+    pools = [pool("prefill"), pool("decode")]
+    children = build_gateway_children(pools, table, OperatorSettings())
+
+    def probe(run: Sandboxed, base: str) -> None:
+        print(f"    /health 200, /metrics {wait_http(run, base + '/metrics', timeout_s=30)}")
+
+    serve(image, children, model_dir, "gateway")(probe)
+
+
+def smoke_operator(image: str) -> None:
+    config = ImageConfig.of(image)
+    # The chart's command and arguments (watch scope cluster, no peering), liveness moved to
+    # a free port.
+    argv = [*config.entrypoint, *config.cmd]
+    argv = [a for a in argv if not a.startswith("--liveness")]
+    argv.append(f"--liveness=http://{POD_IP}:{free_port()}/healthz")
+    mounts = PodMounts(empty_dirs=list(OPERATOR_EMPTY_DIRS))
+    env = {"POD_NAME": "flowprefill-operator-smoke"}
+    print(f"  operator: {' '.join(argv)}")
+    with run_in_image(image, argv, env, mounts, "operator") as run:
+        deadline = time.monotonic() + 240
+        facts_seen = False
+        while run.proc.poll() is None and time.monotonic() < deadline:
+            if not facts_seen and (facts := inspect_processes(run)):
+                check_hardened(facts, config.uid_gid()[0], mounts.empty_dirs)
+                facts_seen = True
+            time.sleep(0.5)
+        out = run.output()
+        assert run.proc.poll() is not None, f"kopf still running after 240 s:\n{out[-3000:]}"
+    assert run.proc.returncode != 0 and "ModuleNotFoundError" not in out, out[-3000:]
+    assert re.search(r"login|credentials|kubeconfig|configuration", out, re.I), out[-3000:]
+    last = [line for line in out.splitlines() if line.strip()][-1]
+    print(f"    kopf exited {run.proc.returncode} at login (no cluster): {last[:160]}")
+    assert facts_seen, "kopf exited before its process could be inspected"
+    print("    process checked while running: non-root, no privileges, read-only /")
+
+    count = (
+        "import kopf, flowprefill_operator.handlers as h; r = kopf.get_default_registry(); "
+        "n = {k: len(v.get_all_handlers()) for k, v in vars(r).items()}; print(n); "
+        "assert n['_changing'] and n['_activities'], n"
+    )
+    with run_in_image(image, ["python", "-c", count], env, mounts, "operator-handlers") as run:
+        code = run.proc.wait(timeout=180)
+        assert code == 0, run.output()[-3000:]
+        print(f"    handlers registered in the image: {run.output().strip().splitlines()[-1]}")
+    print(f"    writes as the image's user: {probe_writes(image, mounts, 'operator')}")
+
+
+def smoke_decode(image: str) -> None:
+    spec = pool("decode").spec
+    command = pool_process(spec).argv
+    connector = json.loads(command[command.index("--kv-transfer-config") + 1])
+    code = (
+        "import importlib, vllm\n"
+        "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1\n"
+        f"m = importlib.import_module({connector['kv_connector_module_path']!r})\n"
+        f"c = getattr(m, {connector['kv_connector']!r})\n"
+        "assert issubclass(c, KVConnectorBase_V1), c\n"
+        "print('vllm', vllm.__version__, c.__module__ + '.' + c.__name__)\n"
+    )
+    mounts = PodMounts(empty_dirs=["/tmp"])
+    with run_in_image(image, ["python3", "-c", code], {}, mounts, "decode") as run:
+        code_ = run.proc.wait(timeout=300)
+        assert code_ == 0, run.output()[-3000:]
+        print(f"    {run.output().strip().splitlines()[-1]}")
+    print(f"    writes as the image's user: {probe_writes(image, mounts, 'decode')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tag", default="dev")
+    parser.add_argument("names", nargs="+", choices=["operator", "gateway", "prefill", "decode"])
+    args = parser.parse_args()
+    for tool in ("buildah", "unshare", "setpriv", "mount"):
+        host_tool(tool)
+    from flowprefill.models.loader import named_model_dir
+
+    # The model PVC's content: <mountPath>/<model> as the pool's model.path names it.
+    pvc = WORK_DIR / "model-pvc"
+    if not (pvc / MODEL).is_dir():
+        shutil.copytree(named_model_dir(MODEL, cache_dir=WORK_DIR / "models"), pvc / MODEL)
+    for name in args.names:
+        image = f"localhost/flowprefill/{name}:{args.tag}"
+        print(f"smoke {image}")
+        start = time.monotonic()
+        if name == "prefill":
+            smoke_prefill(image, pvc)
+        elif name == "gateway":
+            smoke_gateway(image, pvc)
+        elif name == "operator":
+            smoke_operator(image)
+        else:
+            smoke_decode(image)
+        print(f"  {name}: OK in {time.monotonic() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
