@@ -41,6 +41,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.networking.request_timeout = SETTINGS.api_timeout_s * 3
     settings.watching.server_timeout = 300
     settings.peering.priority = peering_priority(os.environ.get("POD_NAME", "") or "standalone")
+    # Namespaced (the chart's Roles grant nothing cluster-wide): kopf would retry the
+    # forbidden namespace list and CRD watch 9 times, about a minute, before falling back
+    # to the namespaces given and the resources found at start, which this asks at once.
+    settings.scanning.disabled = SETTINGS.watch_scope == "namespaced"
     memo.context = Context(Kube(load_client(), SETTINGS.api_timeout_s), SETTINGS, KeyedLocks())
     memo.class_sync = ClassSync()
     memo.attainment = AttainmentTracker(SETTINGS.attainment_window_s)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -44,6 +44,11 @@ class OperatorSettings(BaseModel):
     )
     scrape_timeout_s: float = Field(default=3.0, gt=0, description="Timeout of one metrics scrape.")
     api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of one API request.")
+    watch_scope: Literal["cluster", "namespaced"] = Field(
+        default="cluster",
+        description="The chart's watch.scope; namespaced: kopf does not scan namespaces or "
+        "watch CRDs (a Role cannot grant either).",
+    )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
