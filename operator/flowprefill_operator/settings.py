@@ -42,6 +42,14 @@ class OperatorSettings(BaseModel):
     attainment_window_s: float = Field(
         default=300.0, gt=0, description="Window the SLOClass attainment covers."
     )
+    autoscale_interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Timer: the autoscaler's decisions for pools with replicasOwner operator.",
+    )
+    metrics_port: int = Field(
+        default=8081, ge=0, le=65535, description="Port of the operator's /metrics (0 = off)."
+    )
     scrape_timeout_s: float = Field(default=3.0, gt=0, description="Timeout of one metrics scrape.")
     api_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of one API request.")
     watch_scope: Literal["cluster", "namespaced"] = Field(

@@ -19,6 +19,7 @@ from tests.operator.harness import OperatorProcess, kube_for
 FAST = {
     "FLOWPREFILL_OPERATOR_RECONCILE_INTERVAL_S": "1",
     "FLOWPREFILL_OPERATOR_ATTAINMENT_INTERVAL_S": "1",
+    "FLOWPREFILL_OPERATOR_AUTOSCALE_INTERVAL_S": "1",
     "FLOWPREFILL_OPERATOR_SCRAPE_TIMEOUT_S": "1",
 }
 GROUP = "flowprefill.io/v1alpha1"

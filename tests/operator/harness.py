@@ -62,6 +62,7 @@ class OperatorProcess:
         self.env = env
         self.peering = peering
         self.port = free_port()
+        self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -69,7 +70,12 @@ class OperatorProcess:
         return f"http://127.0.0.1:{self.port}/healthz"
 
     def start(self) -> OperatorProcess:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.env}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "FLOWPREFILL_OPERATOR_METRICS_PORT": str(self.metrics_port),
+            **self.env,
+        }
         cmd = [
             sys.executable,
             "-m",
@@ -96,6 +102,13 @@ class OperatorProcess:
                 return data
         except OSError:
             return None
+
+    def metrics(self) -> str:
+        """The operator's own /metrics text."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text: str = resp.read().decode()
+        return text
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

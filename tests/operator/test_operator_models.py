@@ -73,7 +73,14 @@ def test_servingpool_scale_and_printer_columns() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["slo-classes.yaml", "llama3-8b.yaml", "llama3-8b-hpa.yaml", "llama3-70b-tp.yaml"]
+    "name",
+    [
+        "slo-classes.yaml",
+        "llama3-8b.yaml",
+        "llama3-8b-hpa.yaml",
+        "llama3-70b-tp.yaml",
+        "llama3-8b-autoscaled.yaml",
+    ],
 )
 def test_examples_validate(name: str, repo_root: Path, crd_schemas: Any) -> None:
     for doc in load_docs(repo_root / "examples" / name):

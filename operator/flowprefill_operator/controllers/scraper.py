@@ -1,7 +1,8 @@
 """Attainment controller: scrapes the gateways' SLO counters and writes each SLOClass's
 observed attainment over the window (status ``attainment``, ``requestCount``,
-``windowSeconds``); it owns the :class:`~flowprefill_operator.attainment.AttainmentTracker`
-(kept in kopf's memo) and only those status fields.
+``shedCount``, ``windowSeconds``); it owns the
+:class:`~flowprefill_operator.attainment.AttainmentTracker` (kept in kopf's memo; the
+autoscaler reads its windows too) and only those status fields.
 
 Gateways exist only where pools do, so the job runs on a timer of the pools (SLOClasses
 then need no timer and no finalizer), rate-limited to one scrape per namespace per half
@@ -20,7 +21,7 @@ from flowprefill.contracts.deployment import GATEWAY_PORT, METRICS_PATH
 
 from .. import MANAGED_BY
 from ..attainment import AttainmentTracker, fetch_text, scrape
-from ..builders.common import ROLE_LABEL
+from ..builders.common import ROLE_LABEL, SERVICE_LABEL
 from ..kube import ApiError
 from .common import POOLS, SETTINGS, Context, context, from_memo
 from .indexes import ClassEntry, class_index, classes_of
@@ -28,10 +29,11 @@ from .indexes import ClassEntry, class_index, classes_of
 log = logging.getLogger(__name__)
 
 
-def gateway_targets(ctx: Context, namespace: str) -> dict[str, str]:
-    """pod -> metrics URL of every running gateway pod in the namespace."""
+def gateway_targets(ctx: Context, namespace: str) -> tuple[dict[str, str], dict[str, str]]:
+    """pod -> metrics URL of every running gateway pod in the namespace, and pod -> the
+    service it is the gateway of."""
     labels = {"app.kubernetes.io/managed-by": MANAGED_BY, ROLE_LABEL: "gateway"}
-    targets = {}
+    targets, services = {}, {}
     for pod in ctx.kube.list("Pod", namespace, labels):
         status = pod.get("status") or {}
         ip = status.get("podIP")
@@ -42,8 +44,10 @@ def gateway_targets(ctx: Context, namespace: str) -> dict[str, str]:
             for p in container.get("ports", []):
                 if p.get("name") == "http":
                     port = int(p["containerPort"])
-        targets[pod["metadata"]["name"]] = f"http://{ip}:{port}{METRICS_PATH}"
-    return targets
+        name = pod["metadata"]["name"]
+        targets[name] = f"http://{ip}:{port}{METRICS_PATH}"
+        services[name] = str(pod["metadata"].get("labels", {}).get(SERVICE_LABEL, ""))
+    return targets, services
 
 
 def refresh_attainment(ctx: Context, tracker: AttainmentTracker, namespace: str) -> dict[str, str]:
@@ -54,10 +58,9 @@ def refresh_attainment(ctx: Context, tracker: AttainmentTracker, namespace: str)
         if last is not None and now - last < ctx.settings.attainment_interval_s / 2:
             return {}
         timeout = ctx.settings.scrape_timeout_s
-        sample, errors = scrape(
-            gateway_targets(ctx, namespace), lambda url: fetch_text(url, timeout)
-        )
-        tracker.record(namespace, now, sample)
+        targets, services = gateway_targets(ctx, namespace)
+        sample, errors = scrape(targets, lambda url: fetch_text(url, timeout))
+        tracker.record(namespace, now, sample, services)
         return errors
 
 
@@ -75,6 +78,7 @@ def write_attainment(
         fields = {
             "attainment": round(att.fraction, 4) if att and att.fraction is not None else None,
             "requestCount": att.requests if att else 0,
+            "shedCount": round(att.shed) if att else 0,
             "windowSeconds": int(ctx.settings.attainment_window_s),
         }
         if all(entry.status.get(k) == v for k, v in fields.items()):

@@ -184,10 +184,14 @@ def write_status(
     status: ServingPoolStatus,
     invalid: str | None = None,
 ) -> PoolResult:
-    """Patch the status only when it changed (transition times are kept by fold_status)."""
-    changed = status.wire() != previous.wire()
+    """Patch the status only when it changed (transition times are kept by fold_status).
+    ``autoscaler`` belongs to the autoscale controller: kept as it was, never written here
+    (a stale copy from this reconcile's body would undo a newer decision)."""
+    status = status.model_copy(update={"autoscaler": previous.autoscaler})
+    ours = {k: v for k, v in status.wire().items() if k != "autoscaler"}
+    changed = ours != {k: v for k, v in previous.wire().items() if k != "autoscaler"}
     if changed:
-        ctx.kube.patch("ServingPool", namespace, name, {"status": status.wire()}, sub="status")
+        ctx.kube.patch("ServingPool", namespace, name, {"status": ours}, sub="status")
     return PoolResult(status, changed, invalid, status_events(previous, status))
 
 
