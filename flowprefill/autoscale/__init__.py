@@ -1,0 +1,1 @@
+"""Autoscaling decisions shared by the operator and the simulator (:mod:`.policy`)."""
