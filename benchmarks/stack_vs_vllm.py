@@ -190,12 +190,12 @@ def run_probe(
     return Probe(rate, classes["all"]["attainment"], classes, time.monotonic() - t0, missed)
 
 
-def warm_up(server: Server, model: str, lengths: list[int]) -> None:
+def warm_up(server: Server, model: str, lengths: list[int], max_tokens: int = 4) -> None:
     """A few prompts of growing length, one at a time: the first hand-off through the
     connector and the first pass at each size pay one-time costs."""
     for i, n in enumerate(lengths):
         prompt = [(7 * i + j) % VOCAB + 1 for j in range(n)]
-        body = {"model": model, "prompt": prompt, "max_tokens": 4}
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
         r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=600)
         r.raise_for_status()
 
