@@ -17,10 +17,12 @@ import kopf
 
 from . import GROUP
 from .attainment import AttainmentTracker
-from .controllers import indexes, scraper, servingpool, sloclass  # noqa: F401  (registration)
+from .controllers import autoscaler, indexes, scraper, servingpool, sloclass  # noqa: F401
+from .controllers.autoscaler import ScalerRounds
 from .controllers.common import SETTINGS, Context, Health, KeyedLocks, health, now_rfc3339
 from .controllers.sloclass import ClassSync
 from .kube import Kube, load_client
+from .metrics import OperatorMetrics
 
 
 def peering_priority(pod_name: str) -> int:
@@ -48,6 +50,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.context = Context(Kube(load_client(), SETTINGS.api_timeout_s), SETTINGS, KeyedLocks())
     memo.class_sync = ClassSync()
     memo.attainment = AttainmentTracker(SETTINGS.attainment_window_s)
+    memo.scaler_rounds = ScalerRounds()
+    memo.operator_metrics = OperatorMetrics()
+    memo.operator_metrics.serve(SETTINGS.metrics_port)
     memo.health = Health(started=now_rfc3339())
 
 

@@ -221,9 +221,17 @@ def snapshot(c: Cluster, ns: str) -> dict[tuple[str, str], str]:
 def test_operator_restart_changes_nothing(cluster: Cluster) -> None:
     ns = "e2e-restart"
     create(cluster, slo("chat", 250, default=True), ns)
-    create(cluster, pool("m-prefill", "m"), ns)
+    # The prefill pool's replicas are the autoscaler's: its cool-down memory and last
+    # decision live in status, so a new process decides the same and writes nothing.
+    autoscaling = {"maxReplicas": 3, "shortWindowSeconds": 30, "longWindowSeconds": 60}
+    create(cluster, pool("m-prefill", "m", replicasOwner="operator", autoscaling=autoscaling), ns)
     create(cluster, pool("m-decode", "m", role="decode"), ns)
     wait_for(lambda: cluster.names("Deployment", ns) == {"m-prefill", "m-decode", "m-gateway"})
+    wait_for(
+        lambda: (cluster.get("ServingPool", ns, "m-prefill").get("status") or {}).get("autoscaler"),
+        60,
+        "the autoscaler's first decision",
+    )
 
     # Settled: every periodic job has written once (the attainment job writes the class's
     # window even with no gateway traffic; on a loaded machine its first write can come

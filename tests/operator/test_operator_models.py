@@ -173,6 +173,10 @@ BAD_POOLS = [
     ),
     ({"autoscaling": {"maxReplicas": 4, "longWindowSeconds": 86_400}}, "longWindowSeconds"),
     ({"autoscaling": {"maxReplicas": 4, "gpuBudget": -1}}, "gpuBudget"),
+    (
+        {"autoscaling": {"maxReplicas": 4, "tpotUpRatio": 0.5, "tpotDownRatio": 0.6}},
+        "tpotDownRatio must be lower",
+    ),
 ]
 
 

@@ -18,6 +18,7 @@ that long in memory, one per scrape interval."""
 MIN_REPLICAS_ABOVE_MAX = "minReplicas must not exceed maxReplicas"
 SHORT_WINDOW_NOT_SHORTER = "shortWindowSeconds must be shorter than longWindowSeconds"
 DOWN_RATE_NOT_LOWER = "scaleDownBurnRate must be lower than scaleUpBurnRate (hysteresis)"
+TPOT_DOWN_NOT_LOWER = "tpotDownRatio must be lower than tpotUpRatio (hysteresis)"
 OPERATOR_NEEDS_AUTOSCALING = "replicasOwner operator needs an autoscaling block"
 
 
@@ -26,7 +27,8 @@ class Autoscaling(CRModel):
     operator``). Prefill pools follow the SLO attainment of every class the service serves
     (the class burning its error budget fastest drives: burn rate = miss fraction /
     (1 - attainmentTarget), over a short and a long window); decode pools follow the p90
-    time per output token against the classes' ``tpotSloMs``."""
+    time per output token against the classes' ``tpotSloMs``. Defaults are the policy's
+    (:class:`flowprefill.autoscale.policy.ScalerSettings`)."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -34,6 +36,7 @@ class Autoscaling(CRModel):
                 cel("self.minReplicas <= self.maxReplicas", MIN_REPLICAS_ABOVE_MAX),
                 cel("self.shortWindowSeconds < self.longWindowSeconds", SHORT_WINDOW_NOT_SHORTER),
                 cel("self.scaleDownBurnRate < self.scaleUpBurnRate", DOWN_RATE_NOT_LOWER),
+                cel("self.tpotDownRatio < self.tpotUpRatio", TPOT_DOWN_NOT_LOWER),
             ]
         }
     )
@@ -56,16 +59,30 @@ class Autoscaling(CRModel):
         default=2.0,
         gt=0,
         le=1000,
-        description="Scale up when the driving signal is at least this far over its target "
-        "in both windows: prefill, the error-budget burn rate of the class burning fastest; "
-        "decode, p90 TPOT / tpotSloMs (1 = exactly on target).",
+        description="Prefill: scale up when the class burning its error budget fastest "
+        "burns at least this fast in both windows (burn rate = missed fraction / (1 - "
+        "attainmentTarget); 1 = spending it exactly as fast as allowed).",
     )
     scale_down_burn_rate: float = Field(
         default=0.5,
         ge=0,
         le=1000,
-        description="Scale down only when the signal is below this in both windows (must be "
-        "lower than scaleUpBurnRate: the band between is hysteresis).",
+        description="Prefill: scale down when every class burns at most this in both windows "
+        "(must be lower than scaleUpBurnRate: the band between is hysteresis).",
+    )
+    tpot_up_ratio: float = Field(
+        default=1.0,
+        gt=0,
+        le=100,
+        description="Decode: scale up when p90 time per output token exceeds this x the "
+        "tightest tpotSloMs in both windows.",
+    )
+    tpot_down_ratio: float = Field(
+        default=0.6,
+        ge=0,
+        le=100,
+        description="Decode: scale down when p90 TPOT is under this x the target in both "
+        "windows (must be lower than tpotUpRatio).",
     )
     scale_up_cooldown_seconds: int = Field(
         default=60, ge=0, le=86_400, description="Least time between two scale-ups."
@@ -109,6 +126,8 @@ class Autoscaling(CRModel):
             raise ValueError(SHORT_WINDOW_NOT_SHORTER)
         if self.scale_down_burn_rate >= self.scale_up_burn_rate:
             raise ValueError(DOWN_RATE_NOT_LOWER)
+        if self.tpot_down_ratio >= self.tpot_up_ratio:
+            raise ValueError(TPOT_DOWN_NOT_LOWER)
         return self
 
 
@@ -117,7 +136,7 @@ class AutoscalerStatus(CRModel):
     cool-down memory: kept here so that a restarted operator resumes it)."""
 
     desired_replicas: int | None = Field(
-        default=None, description="Replicas of the last decision (before the GPU budget)."
+        default=None, description="Replicas of the last decision (within the GPU budget)."
     )
     reason: str = Field(default="", description="Why the last decision was made.")
     driver: str = Field(

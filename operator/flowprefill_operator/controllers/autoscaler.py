@@ -1,0 +1,261 @@
+"""Autoscale controller: sizes the pools whose ``replicasOwner`` is ``operator`` and owns
+their ``status.autoscaler``; it never touches a pool owned externally (kubectl, an HPA).
+
+Per service, once per ``autoscaleIntervalSeconds`` (any of its pools' timers starts the
+round; the others find it done): read the gateways' windows (the attainment tracker the
+scraper fills), call the pure decision functions of :mod:`flowprefill.autoscale.policy`
+for every operator-owned pool, fit them into the service's GPU budget, write each change
+through the pool's ``/scale`` subresource (the pool controller then moves its
+Deployment), post an Event per change, count it, and record the decision in status. The
+cool-down memory lives in status, so a restarted operator resumes it; a round with fewer
+than two samples of the gateways (just started) decides nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from flowprefill.autoscale.policy import Decision, decide_decode, decide_prefill, fit_budget
+
+from ..attainment import AttainmentTracker
+from ..builders import PoolRef, pool_selector
+from ..builders.slotable import selected
+from ..kube import ApiError
+from ..metrics import OperatorMetrics
+from ..models import ServingPoolSpec, ServingPoolStatus
+from ..scaling import (
+    ServedClass,
+    class_signals,
+    next_status,
+    observe_pool,
+    scaler_memory,
+    scaler_settings,
+    tpot_signal,
+)
+from .common import POOLS, SETTINGS, Body, Context, Event, context, from_memo, parse_status, post
+from .indexes import ClassEntry, class_index, classes_of, pool_index, pools_of
+from .scraper import refresh_attainment
+
+log = logging.getLogger(__name__)
+
+IDLE_UNSEEN = "hold: no requests yet, but the long window has not been observed in full"
+
+
+class ScalerRounds:
+    """When each service's last round ran (monotonic), so the timers of its pools run one
+    round per interval between them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], float] = {}
+
+    def due(self, namespace: str, service: str, now: float, interval_s: float) -> bool:
+        with self._lock:
+            last = self._last.get((namespace, service))
+            if last is not None and now - last < interval_s / 2:
+                return False
+            self._last[(namespace, service)] = now
+            return True
+
+
+@dataclass
+class Scaled:
+    """One operator-owned pool in a round: what it was, what was decided."""
+
+    body: Body
+    spec: ServingPoolSpec
+    status: ServingPoolStatus
+    decision: Decision | None = None
+
+
+def served_classes(peers: list[PoolRef], classes: list[ClassEntry]) -> list[ServedClass]:
+    """The classes the service's gateway serves (its pools' selectors), with targets."""
+    selectors = [p.spec.slo_class_selector for p in peers]
+    return [
+        ServedClass(e.name, e.view.spec.attainment_target, e.view.spec.tpot_slo_ms)
+        for e in classes
+        if e.view.spec is not None and selected(e.view, selectors)
+    ]
+
+
+def decide(
+    ctx: Context,
+    tracker: AttainmentTracker,
+    namespace: str,
+    service: str,
+    pool: Scaled,
+    classes: list[ServedClass],
+    now_s: float,
+) -> Decision | None:
+    """The policy's decision for one pool; None without a signal to decide on."""
+    auto = pool.spec.autoscaling
+    assert auto is not None  # replicasOwner operator requires it
+    tracker.keep(auto.long_window_seconds)
+    short, _ = tracker.increases(namespace, auto.short_window_seconds, service)
+    long, long_span_s = tracker.increases(namespace, auto.long_window_seconds, service)
+    name = pool.body["metadata"]["name"]
+    observation = observe_pool(
+        now_s,
+        pool.spec.replicas,
+        ctx.kube.get("Deployment", namespace, name),
+        ctx.kube.list("Pod", namespace, pool_selector(name)),
+        float(auto.warmup_seconds),
+    )
+    settings, memory = scaler_settings(auto), scaler_memory(pool.status.autoscaler)
+    if pool.spec.role == "prefill":
+        signals = class_signals(classes, short, long)
+        if (
+            long_span_s < auto.long_window_seconds
+            and pool.spec.replicas > auto.min_replicas
+            and all(c.long.total == 0 for c in signals)
+        ):
+            # The policy scales an idle pool down; idle means a whole long window without
+            # requests, which a just-started operator (or a new pool) has not seen yet.
+            return Decision(pool.spec.replicas, IDLE_UNSEEN)
+        return decide_prefill(settings, observation, memory, signals)
+    tpot = tpot_signal(classes, short, long)
+    if tpot is None:  # nothing to size decode on: hold, and say why
+        why = (
+            "no TPOT samples yet"
+            if any(c.tpot_slo_ms is not None for c in classes)
+            else "no served SLO class sets tpotSloMs"
+        )
+        return Decision(replicas=pool.spec.replicas, reason=f"hold: {why}", driver="")
+    return decide_decode(settings, observation, memory, tpot)
+
+
+def budget_gpus(pools: list[Scaled], others: list[PoolRef]) -> int | None:
+    """GPUs the operator-owned pools may hold: the smallest budget set on any pool of the
+    service, less what its externally owned pools hold; None without a budget."""
+    specs = [*(s.spec for s in pools), *(o.spec for o in others)]
+    budgets = [
+        spec.autoscaling.gpu_budget
+        for spec in specs
+        if spec.autoscaling is not None and spec.autoscaling.gpu_budget is not None
+    ]
+    if not budgets:
+        return None
+    fixed = sum(o.spec.replicas * o.spec.resources.gpus_per_pod for o in others)
+    return max(0, min(budgets) - fixed)
+
+
+def carry_out(ctx: Context, metrics: OperatorMetrics, pool: Scaled, now_s: float) -> list[Event]:
+    """Write the decision through /scale (if it changes the replicas) and into status."""
+    decision = pool.decision
+    assert decision is not None
+    meta = pool.body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    before = pool.spec.replicas
+    metrics.decided(namespace, name, decision.replicas)
+    events = []
+    if decision.replicas != before:
+        ctx.kube.patch(
+            "ServingPool", namespace, name, {"spec": {"replicas": decision.replicas}}, sub="scale"
+        )
+        metrics.scaled(namespace, name, before, decision.replicas)
+        reason = "ScaledUp" if decision.replicas > before else "ScaledDown"
+        message = f"{before} -> {decision.replicas} replicas: {decision.reason}"
+        events.append(Event("Normal", reason, message))
+        log.info("%s/%s %s", namespace, name, message)
+    status = next_status(pool.status.autoscaler, decision, before, now_s)
+    if pool.status.autoscaler is None or status.wire() != pool.status.autoscaler.wire():
+        ctx.kube.patch(
+            "ServingPool", namespace, name, {"status": {"autoscaler": status.wire()}}, sub="status"
+        )
+    return events
+
+
+def autoscale_service(
+    ctx: Context,
+    tracker: AttainmentTracker,
+    metrics: OperatorMetrics,
+    namespace: str,
+    service: str,
+    peers: list[PoolRef],
+    classes: list[ClassEntry],
+) -> list[tuple[Body, Event]]:
+    """One round for the service's operator-owned pools; returns the Events to post."""
+    with ctx.locks("autoscale", namespace, service):
+        refresh_attainment(ctx, tracker, namespace)
+        if tracker.sample_count(namespace) < 2:
+            return []  # just started: the first scrape is only a baseline
+        now_s = time.time()  # wall clock: the cool-down memory is kept in status
+        owned: list[Scaled] = []
+        for ref in peers:
+            body = ctx.kube.get("ServingPool", namespace, ref.name)  # fresh replicas, status
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                continue
+            try:
+                spec = ServingPoolSpec.model_validate(body.get("spec") or {})
+            except ValidationError:
+                continue  # the pool controller reports it
+            if spec.replicas_owner == "operator":
+                status = parse_status(ServingPoolStatus, body.get("status"))
+                owned.append(Scaled(body, spec, status))
+        served = served_classes(peers, classes)
+        for pool in owned:
+            pool.decision = decide(ctx, tracker, namespace, service, pool, served, now_s)
+        decided = [p for p in owned if p.decision is not None]
+        others = [p for p in peers if p.name not in {s.body["metadata"]["name"] for s in owned}]
+        budget = budget_gpus(owned, others)
+        if budget is not None and decided:
+            fitted = fit_budget(
+                {p.body["metadata"]["name"]: p.decision for p in decided if p.decision},
+                {p.body["metadata"]["name"]: p.spec.resources.gpus_per_pod for p in decided},
+                budget,
+                {p.body["metadata"]["name"]: p.spec.replicas for p in decided},
+            )
+            for p in decided:
+                p.decision = fitted[p.body["metadata"]["name"]]
+        events = []
+        for pool in decided:
+            events += [(pool.body, e) for e in carry_out(ctx, metrics, pool, now_s)]
+        return events
+
+
+def release(ctx: Context, metrics: OperatorMetrics, body: kopf.Body) -> None:
+    """A pool the autoscaler no longer owns: drop its gauge and its status.autoscaler."""
+    meta = body["metadata"]
+    metrics.forget(meta["namespace"], meta["name"])
+    if (body.get("status") or {}).get("autoscaler") is not None:
+        patch = {"status": {"autoscaler": None}}
+        ctx.kube.patch("ServingPool", meta["namespace"], meta["name"], patch, sub="status")
+
+
+@kopf.timer(*POOLS, id="autoscale", interval=SETTINGS.autoscale_interval_s, initial_delay=1.0)
+def autoscale(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
+    if namespace is None or body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    ctx, metrics = context(memo), from_memo(memo, "operator_metrics", OperatorMetrics)
+    spec = body.get("spec") or {}
+    service = spec.get("service")
+    try:
+        if spec.get("replicasOwner") != "operator" or not isinstance(service, str):
+            release(ctx, metrics, body)  # never writes replicas of a pool it does not own
+            return
+        rounds = from_memo(memo, "scaler_rounds", ScalerRounds)
+        if not rounds.due(namespace, service, time.monotonic(), ctx.settings.autoscale_interval_s):
+            return
+        events = autoscale_service(
+            ctx,
+            from_memo(memo, "attainment", AttainmentTracker),
+            metrics,
+            namespace,
+            service,
+            pools_of(pool_index(kwargs), namespace, service),
+            classes_of(class_index(kwargs), namespace),
+        )
+    except ApiError as e:
+        log.warning(
+            "autoscaling of %s/%s failed (the next round retries): %s", namespace, service, e
+        )
+        return
+    for pool_body, event in events:
+        post(pool_body, [event])

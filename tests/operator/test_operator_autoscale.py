@@ -1,0 +1,244 @@
+"""The autoscaler end to end: a fake gateway's /metrics in, the pool's /scale writes out.
+
+``kopf run`` against kmock's emulator (one per module, 1 s timers), each test in its own
+namespace with its own fake gateway pod (a local HTTP server the scraper reads, labelled
+as the service's gateway). Windows are the CRD's shortest (30 s / 60 s): the tests only
+add traffic, so nothing waits for a window to pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from tests.operator.cluster import Cluster, create, pool, slo
+from tests.operator.harness import wait_for
+from tests.operator.test_operator_attainment import gateway_metrics
+
+FAST = {
+    "shortWindowSeconds": 30,
+    "longWindowSeconds": 60,
+    "scaleUpCooldownSeconds": 0,
+    "scaleDownCooldownSeconds": 0,
+    "warmupSeconds": 0,
+    "minRequests": 5,
+}
+
+
+class FakeGateway:
+    """A gateway's /metrics whose counters the test moves."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        self.tpot_s: dict[str, list[float]] = {}
+        self.lock = threading.Lock()
+        gateway = self
+
+        class Metrics(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                with gateway.lock:
+                    body = gateway_metrics(dict(gateway.counts), dict(gateway.tpot_s)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def add(self, cls: str, met: int = 0, missed: int = 0) -> None:
+        with self.lock:
+            for outcome, n in (("met", met), ("missed", missed)):
+                self.counts[(cls, outcome)] = self.counts.get((cls, outcome), 0) + n
+
+    def decode(self, cls: str, tpot_s: float, n: int) -> None:
+        with self.lock:
+            self.tpot_s.setdefault(cls, []).extend([tpot_s] * n)
+
+    def pod(self, service: str) -> dict[str, Any]:
+        """The gateway pod the scraper finds (labels as the operator's builders set them)."""
+        labels = {
+            "app.kubernetes.io/managed-by": "flowprefill-operator",
+            "flowprefill.io/role": "gateway",
+            "flowprefill.io/service": service,
+        }
+        port = self.server.server_address[1]
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"{service}-gateway-fake", "labels": labels},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "gateway",
+                        "image": "g",
+                        "ports": [{"name": "http", "containerPort": port}],
+                    }
+                ]
+            },
+            "status": {"phase": "Running", "podIP": "127.0.0.1"},
+        }
+
+
+@pytest.fixture
+def gateway() -> Iterator[FakeGateway]:
+    g = FakeGateway()
+    yield g
+    g.server.shutdown()
+
+
+def autoscaled(name: str, service: str, role: str = "prefill", **auto: Any) -> dict[str, Any]:
+    return pool(
+        name,
+        service,
+        role,
+        replicasOwner="operator",
+        autoscaling={"minReplicas": 1, "maxReplicas": 3, **FAST, **auto},
+    )
+
+
+def replicas(c: Cluster, ns: str, name: str) -> int:
+    return int(c.get("ServingPool", ns, name)["spec"].get("replicas", 1))  # schema default
+
+
+def autoscaler_status(c: Cluster, ns: str, name: str) -> dict[str, Any]:
+    status: dict[str, Any] = (c.get("ServingPool", ns, name).get("status") or {}).get(
+        "autoscaler"
+    ) or {}
+    return status
+
+
+def start(c: Cluster, ns: str, g: FakeGateway, service: str, *pools: dict[str, Any]) -> None:
+    """Classes, pools and the fake gateway; returns once the autoscaler has decided once
+    (its first scrape is only a baseline)."""
+    create(c, slo("chat", 250, default=True, attainmentTarget=0.9, tpotSloMs=50), ns)
+    create(c, g.pod(service), ns)
+    for p in pools:
+        create(c, p, ns)
+    owned = [p["metadata"]["name"] for p in pools if p["spec"].get("replicasOwner") == "operator"]
+    for name in owned:
+
+        def decided(name: str = name) -> Any:
+            return autoscaler_status(c, ns, name).get("reason")
+
+        wait_for(decided, 30, "first decision")
+
+
+def test_misses_scale_prefill_up_to_max_through_scale(
+    cluster: Cluster, gateway: FakeGateway
+) -> None:
+    ns = "as-up"
+    start(cluster, ns, gateway, "m", autoscaled("m-prefill", "m"))
+    assert replicas(cluster, ns, "m-prefill") == 1  # no traffic: nothing to act on
+    gateway.add("chat", met=50, missed=50)  # burn rate 5 (0.5 missed / 0.1 allowed)
+    wait_for(lambda: replicas(cluster, ns, "m-prefill") == 3, 30, "scaled up to max")
+    wait_for(
+        lambda: cluster.get("Deployment", ns, "m-prefill")["spec"]["replicas"] == 3,
+        what="the Deployment follows the pool",
+    )
+    status = autoscaler_status(cluster, ns, "m-prefill")
+    assert status["desiredReplicas"] == 3 and status["lastScaleUpTime"]
+    assert status["driver"] == "chat"
+    wait_for(lambda: "ScaledUp" in cluster.event_reasons(ns, "m-prefill"), what="an Event")
+    gateway.add("chat", missed=100)
+    time.sleep(2.5)  # rounds run every second: any would have scaled past max by now
+    assert replicas(cluster, ns, "m-prefill") == 3
+    text = cluster.operator.metrics()
+    assert f'direction="up",namespace="{ns}",pool="m-prefill"' in text
+    assert (
+        f'flowprefill_operator_autoscaler_desired_replicas{{namespace="{ns}",pool="m-prefill"}} 3.0'
+        in text
+    )
+
+
+def test_cooldown_holds_a_second_scale_up(cluster: Cluster, gateway: FakeGateway) -> None:
+    ns = "as-cooldown"
+    start(
+        cluster,
+        ns,
+        gateway,
+        "m",
+        autoscaled("m-prefill", "m", scaleUpCooldownSeconds=3600, maxStepUp=1),
+    )
+    gateway.add("chat", met=10, missed=90)
+    wait_for(lambda: replicas(cluster, ns, "m-prefill") == 2, 30, "one step up")
+    gateway.add("chat", missed=100)
+    time.sleep(2.5)
+    assert replicas(cluster, ns, "m-prefill") == 2
+    assert len([e for e in events(cluster, ns, "m-prefill") if e == "ScaledUp"]) == 1
+
+
+def test_hysteresis_band_holds(cluster: Cluster, gateway: FakeGateway) -> None:
+    ns = "as-band"
+    p = autoscaled("m-prefill", "m", scaleUpBurnRate=2.0, scaleDownBurnRate=0.5)
+    p["spec"]["replicas"] = 2
+    start(cluster, ns, gateway, "m", p)
+    gateway.add("chat", met=85, missed=15)  # burn rate 1.5: between the thresholds
+    wait_for(lambda: autoscaler_status(cluster, ns, "m-prefill").get("desiredReplicas") == 2, 30)
+    time.sleep(2.5)
+    assert replicas(cluster, ns, "m-prefill") == 2
+
+
+def test_no_misses_scale_down_to_min(cluster: Cluster, gateway: FakeGateway) -> None:
+    ns = "as-down"
+    p = autoscaled("m-prefill", "m", minReplicas=1)
+    p["spec"]["replicas"] = 3
+    start(cluster, ns, gateway, "m", p)
+    gateway.add("chat", met=200)
+    wait_for(lambda: replicas(cluster, ns, "m-prefill") == 1, 30, "scaled down to min")
+    assert autoscaler_status(cluster, ns, "m-prefill")["lastScaleDownTime"]
+    assert "ScaledDown" in cluster.event_reasons(ns, "m-prefill")
+
+
+def test_decode_follows_tpot(cluster: Cluster, gateway: FakeGateway) -> None:
+    ns = "as-decode"
+    start(cluster, ns, gateway, "m", autoscaled("m-decode", "m", role="decode", maxStepUp=1))
+    gateway.decode("chat", tpot_s=0.2, n=50)  # 4x the 50 ms target
+    wait_for(lambda: replicas(cluster, ns, "m-decode") >= 2, 30, "decode scaled up")
+
+
+def test_gpu_budget_caps_the_service(cluster: Cluster, gateway: FakeGateway) -> None:
+    ns = "as-budget"
+    # decode: 1 pod x 2 GPUs, owned externally; budget 6 leaves 4 GPUs = 2 prefill pods
+    # of 2 GPUs each.
+    decode = pool("m-decode", "m", role="decode", resources={"gpusPerPod": 2})
+    prefill = autoscaled("m-prefill", "m", maxReplicas=8, gpuBudget=6)
+    prefill["spec"]["engine"] = {"tpSize": 2}
+    prefill["spec"]["resources"] = {"gpusPerPod": 2}
+    start(cluster, ns, gateway, "m", decode, prefill)
+    gateway.add("chat", met=10, missed=90)
+    wait_for(lambda: replicas(cluster, ns, "m-prefill") == 2, 30, "scaled up within budget")
+    gateway.add("chat", missed=100)
+    time.sleep(2.5)
+    assert replicas(cluster, ns, "m-prefill") == 2
+    assert replicas(cluster, ns, "m-decode") == 1
+
+
+def test_external_owner_is_left_alone(cluster: Cluster, gateway: FakeGateway) -> None:
+    ns = "as-external"
+    p = pool("m-prefill", "m", autoscaling={"minReplicas": 1, "maxReplicas": 3, **FAST})
+    start(cluster, ns, gateway, "m", p)
+    wait_for(lambda: cluster.kube.get("Deployment", ns, "m-prefill"), what="deployment")
+    gateway.add("chat", met=10, missed=90)
+    # kubectl scale (or an HPA) owns it: its number stands, whatever the SLOs say.
+    cluster.kube.patch("ServingPool", ns, "m-prefill", {"spec": {"replicas": 2}}, sub="scale")
+    time.sleep(3.0)  # three autoscaler rounds
+    assert replicas(cluster, ns, "m-prefill") == 2
+    assert autoscaler_status(cluster, ns, "m-prefill") == {}
+    assert "ScaledUp" not in cluster.event_reasons(ns, "m-prefill")
+
+
+def events(c: Cluster, ns: str, name: str) -> list[str]:
+    return [
+        e.get("reason", "")
+        for e in c.kube.list("Event", ns)
+        if e.get("involvedObject", {}).get("name") == name
+    ]
