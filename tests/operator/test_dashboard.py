@@ -13,6 +13,7 @@ from typing import Any
 import promql_parser
 import pytest
 import yaml
+from flowprefill_operator.metrics import OperatorMetrics
 from prometheus_client import CollectorRegistry
 
 import flowprefill.contracts.metrics as metric_names
@@ -40,11 +41,12 @@ def _registry_names(registry: CollectorRegistry) -> set[str]:
 
 def exported_metrics() -> set[str]:
     """Series names the processes expose: the gateway's registry as GatewayState builds it,
-    a prefill engine's, and the contracts' names of processes whose registry is not at hand
-    here (any series a metric of that name could have)."""
+    a prefill engine's, the operator's, and the contracts' names of processes whose
+    registry is not at hand here (any series a metric of that name could have)."""
     gateway = GatewayMetrics()
     export_slo_targets(gateway.registry, lambda: SLOTable(default_class=None, classes=[]))
     names = _registry_names(gateway.registry) | _registry_names(EngineMetrics().registry)
+    names |= _registry_names(OperatorMetrics().registry)
     for value in vars(metric_names).values():
         if not (isinstance(value, str) and value.startswith("flowprefill_")):
             continue
@@ -179,3 +181,5 @@ def test_dashboard_layout_rows_and_attainment_against_target() -> None:
     ]  # fmt: skip
     assert against_target, "no panel shows attainment against its target"
     assert any(any("flowprefill_slo_burn_rate" in x for x in e) for e in exprs)
+    assert "Autoscaler" in rows
+    assert any(any("flowprefill_operator_autoscaler_" in x for x in e) for e in exprs)

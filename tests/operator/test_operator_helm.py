@@ -86,6 +86,8 @@ def test_rendered_manifests_validate(helm: Path, case: str) -> None:
         kinds.add(doc["kind"])
         if doc["kind"] == "ServiceMonitor":
             assert doc["spec"]["endpoints"][0]["port"] == "http"  # no schema for this CRD here
+        elif doc["kind"] == "PodMonitor":  # the operator's own metrics
+            assert doc["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
         elif doc["kind"] == "PrometheusRule":  # the rules themselves: test_dashboard.py
             assert doc["spec"]["groups"][0]["rules"], "no recording rules"
         elif doc["apiVersion"].startswith("kopf.dev/"):
@@ -103,6 +105,28 @@ def _operator_args(docs: list[dict[str, Any]]) -> list[str]:
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["kopf"]
     return list(container["args"])
+
+
+@pytest.mark.parametrize("port", [8081, 0])
+def test_the_operator_serves_its_metrics_where_the_chart_says(helm: Path, port: int) -> None:
+    """The env the operator reads (settings.metrics_port), the container port a PodMonitor
+    scrapes, and the NetworkPolicy's door for Prometheus agree; 0 turns all three off."""
+    from flowprefill_operator.settings import OperatorSettings
+
+    docs = template(helm, ["--set", f"operator.metricsPort={port}"])
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    settings = OperatorSettings.from_env(env)
+    assert settings.metrics_port == port and settings.autoscale_interval_s == 30
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    policy = next(d for d in policies if d["metadata"]["name"].endswith("-operator"))
+    opened = {p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])}
+    if port:
+        assert ports["metrics"] == port and port in opened
+    else:
+        assert "metrics" not in ports and opened == {ports["probe"]}
 
 
 def test_scope_modes_and_least_privilege(helm: Path) -> None:
@@ -137,6 +161,7 @@ NEEDED = {
     ("flowprefill.io", "sloclasses"): ["get", "list", "watch", "patch"],
     ("flowprefill.io", "servingpools/status"): ["patch"],
     ("flowprefill.io", "sloclasses/status"): ["patch"],
+    ("flowprefill.io", "servingpools/scale"): ["patch"],
     ("apps", "deployments"): ["get", "create", "patch", "delete"],
     ("", "services"): ["get", "create", "patch", "delete"],
     ("", "configmaps"): ["get", "create", "patch", "delete"],

@@ -60,6 +60,10 @@ app.kubernetes.io/component: operator
 - apiGroups: ["flowprefill.io"]
   resources: ["servingpools/status", "sloclasses/status"]
   verbs: ["get", "patch"]
+# The autoscaler writes replicas of pools it owns through /scale, as kubectl scale does.
+- apiGroups: ["flowprefill.io"]
+  resources: ["servingpools/scale"]
+  verbs: ["get", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "create", "patch", "delete"]
