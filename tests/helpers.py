@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,52 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0
             pass
         assert time.monotonic() < deadline, f"{url} not ready within {timeout_s}s"
         time.sleep(0.2)
+
+
+@dataclass
+class UpProcess:
+    """``flowprefill up`` started as a user would, its log, and the gateway's port."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port: int
+
+    def wait_log(self, text: str, count: int = 1, timeout_s: float = 180.0) -> None:
+        """Until ``text`` appears ``count`` times in up's output; fails if up exits."""
+        deadline = time.monotonic() + timeout_s
+        while self.log.read_text(errors="replace").count(text) < count:
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, f"{text!r} never logged:\n{self.log.read_text()}"
+            time.sleep(0.2)
+
+
+def start_up(tmp_path: Path, *args: str) -> UpProcess:
+    """``flowprefill up --model tiny-llama`` with a linear profile (no profiling run), one
+    OpenMP thread per process, its run folder and model cache under ``tmp_path``, and
+    ``args``; waits until it says it is up."""
+    from flowprefill.predictor.model import TTFTPredictor
+
+    port = free_port()
+    profile = tmp_path / "p.json"
+    TTFTPredictor.linear(2e-5).save(profile)
+    env = {
+        **os.environ,
+        "FLOWPREFILL_MODEL_CACHE": str(tmp_path / "models"),
+        "OMP_NUM_THREADS": "1",
+    }
+    log = tmp_path / "up.log"
+    argv = [sys.executable, "-m", "flowprefill.cli", "up", "--model", "tiny-llama"]
+    argv += ["--port", str(port), "--profile", str(profile), "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        [*argv, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env
+    )
+    up = UpProcess(proc, log, port)
+    try:
+        up.wait_log("is up")
+    except BaseException:
+        proc.kill()
+        raise
+    return up
 
 
 @contextmanager

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,57 +14,19 @@ import pytest
 
 from flowprefill.cli import main
 from flowprefill.contracts import EngineConfig
-from flowprefill.predictor.model import TTFTPredictor
-from tests.helpers import free_port
+from tests.helpers import start_up
 
 
 @pytest.mark.parametrize(("prefill", "tp"), [(2, 1), (1, 2)], ids=["2x-tp1", "1x-tp2"])
 def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path, prefill: int, tp: int) -> None:
     """``up`` with ``--tp 2`` too: the prefill instance then spawns its second rank."""
-    port = free_port()
-    profile = tmp_path / "p.json"
-    TTFTPredictor.linear(2e-5).save(profile)
-    env = {
-        **os.environ,
-        "FLOWPREFILL_MODEL_CACHE": str(tmp_path / "models"),
-        "OMP_NUM_THREADS": "1",
-    }
-    log = tmp_path / "up.log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flowprefill.cli",
-            "up",
-            "--model",
-            "tiny-llama",
-            "--decode",
-            "0",
-            "--prefill",
-            str(prefill),
-            "--tp",
-            str(tp),
-            "--port",
-            str(port),
-            "--profile",
-            str(profile),
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--batching",
-            "member-headroom",
-            "--batch-token-budget",
-            "2048",
-        ],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
+    up = start_up(
+        tmp_path,
+        *("--decode", "0", "--prefill", str(prefill), "--tp", str(tp)),
+        *("--batching", "member-headroom", "--batch-token-budget", "2048"),
     )
+    proc, port = up.proc, up.port
     try:
-        deadline = time.monotonic() + 180
-        while "is up" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             timeout=60,

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,15 +18,11 @@ import pytest
 
 from flowprefill.contracts.deployment import GATEWAY_PORT, PREFILL_PORT
 from flowprefill.contracts.metrics import PREFILL_REQUESTS
-from flowprefill.predictor.model import TTFTPredictor
-from tests.helpers import free_port
+from tests.helpers import UpProcess, start_up
 
 
-@dataclass
-class Stack:
-    proc: subprocess.Popen[bytes]
-    log: Path
-    port: int
+class Stack(UpProcess):
+    """An ``up`` stack of one gateway and two prefill instances, its children by name."""
 
     @property
     def gateway(self) -> str:
@@ -47,38 +41,17 @@ class Stack:
                 return child.pid
         raise AssertionError(f"no {name} child of up: {self.log.read_text()[-2000:]}")
 
-    def wait_log(self, text: str, count: int = 1, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.log.read_text(errors="replace").count(text) < count:
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, f"{text!r} never logged:\n{self.log.read_text()}"
-            time.sleep(0.2)
-
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    port = free_port()
-    profile = tmp_path / "p.json"
-    TTFTPredictor.linear(2e-5).save(profile)
-    env = {
-        **os.environ,
-        "FLOWPREFILL_MODEL_CACHE": str(tmp_path / "models"),
-        "OMP_NUM_THREADS": "1",
-    }
-    log = tmp_path / "up.log"
-    argv = [sys.executable, "-m", "flowprefill.cli", "up", "--model", "tiny-llama"]
-    argv += ["--decode", "0", "--prefill", "2", "--port", str(port), "--profile", str(profile)]
-    argv += ["--run-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    up = start_up(tmp_path, "--decode", "0", "--prefill", "2")
     try:
-        s = Stack(proc, log, port)
-        s.wait_log("is up", timeout_s=180)
-        yield s
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, log.read_text()
+        yield Stack(up.proc, up.log, up.port)
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(60) == 0, up.log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if up.proc.poll() is None:
+            up.proc.kill()
 
 
 @dataclass
