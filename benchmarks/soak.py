@@ -14,14 +14,16 @@ from ``--seed``. Before the load the stack gets the same warm-up prompts as in t
 benchmark.
 
 During the load, every ``--sample-s`` seconds: resident memory and open file descriptors of
-every process under ``up``'s supervisor (``soak_procs``). After it: per process, a
-least-squares slope over the samples past ``--warmup`` minutes, with a verdict
-(``soak_trend``: "growth" only when the slope's 95 % interval excludes 0 *and* the fitted
-change over the window exceeds ``--growth-mb`` / ``--growth-fds``); and the gateway's
-``/metrics`` deltas against the client's counts (``soak_counts``). Writes
-``summary.json`` (settings, load, trends, every sample, reconciliation, failures),
-``soak.png`` (RSS and fds over time per process), the stack's log and run folder into
-``--out``.
+every process under ``up``'s supervisor (``soak_procs``), and the stack's gauges of work
+in hand (in flight at the gateway, queued and parked at the first prefill instance: growth
+that follows a backlog is not a leak). After it: per process, a least-squares slope over
+the samples from ``--warmup`` minutes to the last arrival (the drain after it is plotted,
+not fitted), with a verdict (``soak_trend``: "growth" only when the slope's 95 % interval
+excludes 0 *and* the fitted change over the window exceeds ``--growth-mb`` /
+``--growth-fds``); and the gateway's ``/metrics`` deltas against the client's counts
+(``soak_counts``). Writes ``summary.json`` (settings, load, trends, every sample,
+reconciliation, failures), ``soak.png`` (RSS, fds and gauges over time), the stack's log
+and run folder into ``--out``.
 
 Exit status 1 when anything failed: a count mismatch, any request that ended in an error
 (the soak sends only valid requests and waits for every answer, so none is its own doing),
@@ -46,11 +48,22 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from soak_counts import Page, Row, client_counts, gateway_counts, parse_page, reconcile
-from soak_procs import Series, TreeSampler, plot
+from soak_counts import (
+    GATEWAY_IN_FLIGHT,
+    PREFILL_QUEUE_DEPTH,
+    Page,
+    Row,
+    client_counts,
+    gateway_counts,
+    parse_page,
+    reconcile,
+)
+from soak_procs import MB, Probe, Series, TreeSampler, plot
 from soak_trend import fit_trend
 from stack_common import ROOT, Server, up_server, wait_all
 from stack_vs_vllm import MAX_PROMPT_TOKENS, VOCAB, make_requests, warm_up
+
+from flowprefill.contracts.metrics import PREFILL_PARKED_BYTES
 
 if TYPE_CHECKING:
     from flowprefill.bench.client import Outcome, SendOptions
@@ -139,6 +152,28 @@ def scrape_page(server: Server) -> Page:
     return parse_page(httpx.get(f"{server.base_url}/metrics", timeout=30).text)
 
 
+def gauge_probe(url: str, name: str, scale: float = 1.0) -> Probe:
+    """Reads gauge ``name`` (summed over labels) × ``scale`` from ``url``'s /metrics."""
+
+    def read() -> float | None:
+        try:
+            page = parse_page(httpx.get(f"{url}/metrics", timeout=5).text)
+        except (httpx.HTTPError, ValueError):
+            return None  # busy or restarting: a gap in the plot, not a failure
+        return scale * sum(v for (n, _), v in page.items() if n == name)
+
+    return read
+
+
+def stack_probes(server: Server) -> dict[str, Probe]:
+    gateway, prefill = server.metrics_urls["gateway"], server.metrics_urls["prefill"]
+    return {
+        "in flight at the gateway": gauge_probe(gateway, GATEWAY_IN_FLIGHT),
+        "queued at prefill 0": gauge_probe(prefill, PREFILL_QUEUE_DEPTH),
+        "parked MB at prefill 0": gauge_probe(prefill, PREFILL_PARKED_BYTES, 1 / MB),
+    }
+
+
 async def drive(
     requests: list[Request],
     opts: SendOptions,
@@ -179,14 +214,17 @@ def trends(
     series: list[Series], args: argparse.Namespace
 ) -> tuple[Table, list[dict[str, Any]], list[str]]:
     """The trend table, its JSON rows, and the processes that grew."""
-    warmup_s = args.warmup * 60
-    t = Table(title=f"per process after {args.warmup:g} min of warm-up: start → end, slope ± 95 %")
+    warmup_s, end_s = args.warmup * 60, args.minutes * 60
+    t = Table(
+        title=f"per process from {args.warmup:g} min (warm-up) to {args.minutes:g} min (last "
+        "arrival): start → end, slope ± 95 %"
+    )
     for col in ("process", "samples", "RSS MB", "MB/min", "RSS", "fds", "fds/min", "fds"):
         t.add_column(col, justify="left" if col == "process" else "right")
     rows: list[dict[str, Any]] = []
     grew: list[str] = []
     for s in sorted(series, key=lambda s: (s.role, s.pid)):
-        w = s.since(warmup_s)
+        w = s.between(warmup_s, end_s)
         row: dict[str, Any] = {"process": s.label, "role": s.role, "pid": s.pid}
         cells = [s.label, str(len(w.t_s))]
         for name, values, threshold in (
@@ -265,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             lengths = sorted({min(n, longest) for n in (64, 512, 2048, 6000)})
             warm_up(server, model, lengths, args.max_tokens)
         assert server.proc is not None
-        sampler = TreeSampler(server.proc.pid)
+        sampler = TreeSampler(server.proc.pid, stack_probes(server))
         before = scrape_page(server)
         console.print(
             f"{len(requests)} requests over {args.minutes:g} min at "
@@ -323,13 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         "failures": failures,
         "passed": not failures,
         "series": [asdict(s) for s in series],
+        "gauges": sampler.gauges,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     title = (
         f"soak: {args.rate * args.fraction:.3g} req/s for {args.minutes:g} min "
         f"(--decode {args.decode}, seed {args.seed})"
     )
-    plot(out / "soak.png", series, args.warmup * 60, title)
+    marks = {"end of warm-up": args.warmup * 60, "last arrival": args.minutes * 60}
+    plot(out / "soak.png", series, sampler.gauges, marks, title)
     console.print(f"wrote {out / 'summary.json'} and {out / 'soak.png'}")
     for f in failures:
         console.print(f"[red]FAILED[/]: {f}")

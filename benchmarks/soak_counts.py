@@ -37,6 +37,9 @@ GATEWAY_ERRORS = "flowprefill_gateway_errors"
 tests/benchmarks/test_soak.py reads it from the gateway's own metrics class, so a rename
 fails there."""
 REASON_LABEL = "reason"
+GATEWAY_IN_FLIGHT = "flowprefill_gateway_in_flight_requests"
+"""Gauges the soak plots, likewise named only in the gateway's and prefill's metrics."""
+PREFILL_QUEUE_DEPTH = "flowprefill_prefill_queue_depth"
 
 Labels = tuple[tuple[str, str], ...]
 Page = dict[tuple[str, Labels], float]

@@ -9,7 +9,7 @@ and another that begins.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,9 +30,9 @@ class Series:
     rss_mb: list[float] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
 
-    def since(self, t0_s: float) -> Series:
-        """The samples taken at or after ``t0_s``."""
-        keep = [i for i, t in enumerate(self.t_s) if t >= t0_s]
+    def between(self, t0_s: float, t1_s: float) -> Series:
+        """The samples taken from ``t0_s`` to ``t1_s``."""
+        keep = [i for i, t in enumerate(self.t_s) if t0_s <= t <= t1_s]
         return Series(
             self.label,
             self.role,
@@ -43,12 +43,20 @@ class Series:
         )
 
 
-class TreeSampler:
-    """Samples the process tree under ``root_pid`` on each :meth:`sample` call."""
+Probe = Callable[[], float | None]
+"""A gauge read along with each sample (None: not available this time)."""
 
-    def __init__(self, root_pid: int) -> None:
+
+class TreeSampler:
+    """Samples the process tree under ``root_pid`` on each :meth:`sample` call, and reads
+    ``probes`` (the stack's own gauges: what was in flight, so that growth under a backlog
+    can be told from a leak)."""
+
+    def __init__(self, root_pid: int, probes: dict[str, Probe] | None = None) -> None:
         self.root = psutil.Process(root_pid)
         self.series: dict[int, Series] = {}
+        self.probes = probes or {}
+        self.gauges: dict[str, list[tuple[float, float]]] = {name: [] for name in self.probes}
         self.num_samples = 0
 
     def _processes(self) -> Iterator[psutil.Process]:
@@ -58,6 +66,10 @@ class TreeSampler:
     def sample(self, t_s: float) -> None:
         """One sample of every process alive now; one that exits meanwhile is skipped."""
         self.num_samples += 1
+        for name, probe in self.probes.items():
+            value = probe()
+            if value is not None:
+                self.gauges[name].append((t_s, value))
         try:
             procs = list(self._processes())
         except psutil.NoSuchProcess:
@@ -94,27 +106,40 @@ class TreeSampler:
         ]
 
 
-def plot(path: Path, series: list[Series], warmup_s: float, title: str) -> None:
-    """RSS (top) and open fds (bottom) of every process against minutes into the load;
-    the dotted line is the end of the warm-up."""
+def plot(
+    path: Path,
+    series: list[Series],
+    gauges: dict[str, list[tuple[float, float]]],
+    marks_s: dict[str, float],
+    title: str,
+) -> None:
+    """RSS, open fds and the gauges against minutes into the load; ``marks_s``: vertical
+    dotted lines (the end of the warm-up, the last arrival), named in the x label."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_rss, ax_fds) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 11), sharex=True)
+    ax_rss, ax_fds, ax_gauge = axes
     for s in series:
         minutes = [t / 60 for t in s.t_s]
         ax_rss.plot(minutes, s.rss_mb, label=s.label)
         ax_fds.plot(minutes, s.fds, label=s.label)
-    for ax in (ax_rss, ax_fds):
-        ax.axvline(warmup_s / 60, color="grey", linestyle=":")
+    for name, points in gauges.items():
+        ax_gauge.plot([t / 60 for t, _ in points], [v for _, v in points], label=name)
+    for ax in axes:
+        for t_s in marks_s.values():
+            ax.axvline(t_s / 60, color="grey", linestyle=":")
         ax.grid(alpha=0.3)
     ax_rss.set_ylabel("RSS (MB)")
     ax_fds.set_ylabel("open file descriptors")
-    ax_fds.set_xlabel("minutes into the load (dotted: end of warm-up)")
+    ax_gauge.set_ylabel("the stack's gauges")
+    ax_gauge.set_xlabel("minutes into the load (dotted: " + ", ".join(marks_s) + ")")
     ax_rss.set_title(title)
     ax_rss.legend(fontsize="small", loc="center left", bbox_to_anchor=(1, 0.5))
+    if gauges:
+        ax_gauge.legend(fontsize="small", loc="center left", bbox_to_anchor=(1, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

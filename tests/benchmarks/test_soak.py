@@ -183,6 +183,12 @@ def test_a_tiny_soak_of_a_prefill_only_stack(tmp_path: Path) -> None:
             assert p[resource]["verdict"] in ("growth", "steady", "falling", "too few samples")
             assert p[resource]["num_samples"] >= 6
     assert all(len(s["t_s"]) == len(s["rss_mb"]) == len(s["fds"]) > 6 for s in summary["series"])
+    assert set(summary["gauges"]) == {
+        "in flight at the gateway",
+        "queued at prefill 0",
+        "parked MB at prefill 0",
+    }
+    assert all(len(points) > 6 for points in summary["gauges"].values())
     assert (out / "soak.png").stat().st_size > 10_000
-    assert "per process after 0.1 min of warm-up" in run.stdout
+    assert "per process from 0.1 min (warm-up) to 0.3 min" in run.stdout
     assert "MISMATCH" not in run.stdout
