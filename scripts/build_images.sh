@@ -153,4 +153,4 @@ if [ "$SMOKE" = 1 ]; then
     "$PYTHON" "$ROOT/scripts/smoke_images.py" --tag "$TAG" "${ONLY[@]}"
 fi
 step "done; sizes and build times in $SUMMARY"
-column -t "$SUMMARY"
+column -t -s $'\t' "$SUMMARY"

@@ -133,7 +133,8 @@ def run_in_image(
     config = ImageConfig.of(image)
     uid, gid = config.uid_gid()
     WORK_DIR.mkdir(parents=True, exist_ok=True)
-    ctr = _buildah("from", "--pull=never", "--name", f"flowprefill-smoke-{name}", image)
+    tag = f"{name}-{os.getpid()}"  # two smoke runs at once must not share a container or log
+    ctr = _buildah("from", "--pull=never", "--name", f"flowprefill-smoke-{tag}", image)
     try:
         rootfs = Path(_buildah("mount", ctr))
         # Mount points for the pod's volumes, made in the container's own writable layer as
@@ -147,8 +148,8 @@ def run_in_image(
                 point.touch()
         for target in mounts.empty_dirs:
             (rootfs / target.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix=f"{name}-root-", dir=WORK_DIR))
-        log = WORK_DIR / f"{name}.log"
+        root = Path(tempfile.mkdtemp(prefix=f"{tag}-root-", dir=WORK_DIR))
+        log = WORK_DIR / f"{tag}.log"
         specs = [f"tmpfs={d}" for d in mounts.empty_dirs]
         specs += [f"ro={src}:{dst}" for dst, src in mounts.read_only.items()]
         command = [

@@ -161,21 +161,25 @@ def report_hardened(run: Sandboxed, image: str, empty_dirs: list[str]) -> None:
 
 
 def serve(image: str, children: list[Manifest], model_dir: Path, name: str) -> Callable[..., None]:
-    """Start the pod's server on a free port; hand (run, base_url, empty_dirs) to a probe."""
+    """Start the pod's server on a free port; hand (run, base_url) to a probe."""
 
     def go(probe: Callable[[Sandboxed, str], None]) -> None:
-        argv, env, mounts = pod_container(children, model_dir, WORK_DIR / f"{name}-files")
+        files = WORK_DIR / f"{name}-files-{os.getpid()}"
+        argv, env, mounts = pod_container(children, model_dir, files)
         port = free_port()
         # The host's network is shared with other programs: a free port, on loopback.
         argv += ["--host", POD_IP, "--port", str(port)]
         print(f"  {name}: {' '.join(argv)}")
         print(f"    emptyDirs {mounts.empty_dirs}, read-only {sorted(mounts.read_only)}")
-        with run_in_image(image, argv, env, mounts, name) as run:
-            base = f"http://{POD_IP}:{port}"
-            assert wait_http(run, base + HEALTH_PATH, timeout_s=300) == 200
-            probe(run, base)
-            report_hardened(run, image, mounts.empty_dirs)
-        print(f"    writes as the image's user: {probe_writes(image, mounts, name)}")
+        try:
+            with run_in_image(image, argv, env, mounts, name) as run:
+                base = f"http://{POD_IP}:{port}"
+                assert wait_http(run, base + HEALTH_PATH, timeout_s=300) == 200
+                probe(run, base)
+                report_hardened(run, image, mounts.empty_dirs)
+            print(f"    writes as the image's user: {probe_writes(image, mounts, name)}")
+        finally:
+            shutil.rmtree(files, ignore_errors=True)
 
     return go
 
