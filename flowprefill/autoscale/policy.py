@@ -12,8 +12,9 @@ and a long window (multiwindow burn-rate alerting, as in the Google SRE workbook
 minutes instead of days): a burst moves only the short window and is not acted on; a
 long window alone is stale. Scale up when both windows burn at least
 ``scale_up_burn_rate``; scale down when every class burns at most ``scale_down_burn_rate``
-in both (the band between is hysteresis), or when the pool has been idle for the whole
-long window.
+in both (the band between is hysteresis) — every class that had any request, however
+rare: a small sample of misses holds a scale-down — or when the pool has been idle for
+the whole long window.
 
 **Decode** pools are sized on p90 time per output token against the classes'
 ``tpotSloMs``: up when both windows are over the target (``tpot_up_ratio``), down when
@@ -95,7 +96,10 @@ class ScalerSettings:
     ago and not ready as ``warming_replicas``."""
     max_step_up: int = 4
     min_requests: float = 20.0
-    """Requests a window needs before its burn rate counts (fewer: no evidence)."""
+    """Requests of a class the long window needs before its burn rate can scale up (and of
+    all classes together before the pool can scale down)."""
+    min_short_requests: float = 5.0
+    """Requests of a class the short window needs before its burn rate can scale up."""
     tpot_up_ratio: float = 1.0
     """Decode: scale up when p90 TPOT exceeds this × the target in both windows."""
     tpot_down_ratio: float = 0.6
@@ -214,30 +218,47 @@ def decide_prefill(
     clamped = _clamped(settings, observation)
     if clamped is not None:
         return clamped
-    enough = settings.min_requests
-    judged = [c for c in classes if c.short.total >= enough and c.long.total >= enough]
-    if judged:
-        # The signal both windows agree on; the class with the highest one drives.
-        worst = max(judged, key=lambda c: (min(c.burn_rate(c.short), c.burn_rate(c.long)), c.name))
+    # Scale-up evidence: enough requests in the long window, and in the short one at
+    # least min_short_requests (a rare class in a busy pool sees few requests per short
+    # window; requiring the long window's count there would leave it unheard).
+    judged = [
+        c
+        for c in classes
+        if c.long.total >= settings.min_requests and c.short.total >= settings.min_short_requests
+    ]
+    worst = max(
+        judged, key=lambda c: (min(c.burn_rate(c.short), c.burn_rate(c.long)), c.name), default=None
+    )
+    burns = ""
+    if worst is not None:
         short, long = worst.burn_rate(worst.short), worst.burn_rate(worst.long)
-        agreed = min(short, long)
         burns = (
             f"class {worst.name} burns {short:.1f}× its error budget (short window) "
             f"and {long:.1f}× (long)"
         )
+        agreed = min(short, long)
         if agreed >= settings.scale_up_burn_rate:
             pressure = agreed / settings.scale_up_burn_rate
             return _up(settings, observation, memory, pressure, worst.name, burns)
-        hottest = max(max(c.burn_rate(c.short), c.burn_rate(c.long)) for c in judged)
-        if hottest <= settings.scale_down_burn_rate:
-            why = f"every class within {hottest:.2f}× its error budget in both windows"
-            return _down(settings, observation, memory, why)
-        return Decision(observation.replicas, f"hold: {burns}", worst.name)
     if all(c.long.total == 0 for c in classes):
         return _down(settings, observation, memory, "no requests in the long window")
+    # Scale-down evidence: every class that had requests, however few, within budget in
+    # each window it has requests in — removing capacity while any class misses (even a
+    # rare one, judged on a small sample) is never right — and enough requests in all.
+    seen = [c for c in classes if c.long.total > 0]
+    hottest = max(
+        max(c.burn_rate(c.short) if c.short.total else 0.0, c.burn_rate(c.long)) for c in seen
+    )
+    total = sum(c.long.total for c in seen)
+    if total >= settings.min_requests and hottest <= settings.scale_down_burn_rate:
+        why = f"every class within {hottest:.2f}× its error budget in both windows"
+        return _down(settings, observation, memory, why)
+    if worst is not None:
+        return Decision(observation.replicas, f"hold: {burns}", worst.name)
     return Decision(
         observation.replicas,
-        f"hold: fewer than {enough:.0f} requests per window to judge any class",
+        f"hold: too few requests to judge any class ({settings.min_requests:.0f} in the long "
+        f"window and {settings.min_short_requests:.0f} in the short one needed)",
     )
 
 

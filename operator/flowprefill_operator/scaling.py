@@ -50,6 +50,7 @@ def scaler_settings(a: Autoscaling) -> ScalerSettings:
         warmup_s=float(a.warmup_seconds),
         max_step_up=a.max_step_up,
         min_requests=float(a.min_requests),
+        min_short_requests=float(a.min_short_requests),
         tpot_up_ratio=a.tpot_up_ratio,
         tpot_down_ratio=a.tpot_down_ratio,
     )

@@ -78,9 +78,29 @@ def test_scale_down_needs_every_class_quiet_in_both_windows_and_enough_requests(
     assert decide_prefill(S, obs(3), QUIET, [quiet, warm]).replicas == 3
     sparse = cls("text", (5, 0), (9, 0))  # below min_requests: no evidence either way
     d = decide_prefill(S, obs(3), QUIET, [sparse])
-    assert d.replicas == 3 and "fewer than 20 requests" in d.reason
+    assert d.replicas == 3 and "too few requests" in d.reason
     after_up = ScalerMemory(last_scale_up_s=NOW - 300)  # any change holds a scale-down
     assert "cool-down" in decide_prefill(S, obs(3), after_up, [quiet]).reason
+
+
+def test_a_rare_class_that_misses_holds_a_scale_down() -> None:
+    """``file`` sees a few requests per window next to a busy ``text``: too few to scale
+    up on, but its misses are evidence enough not to remove capacity."""
+    busy = cls("text", (1000, 0), (9000, 10))
+    rare = cls("file", (2, 2), (10, 8))
+    d = decide_prefill(S, obs(3), QUIET, [busy, rare])
+    assert d.replicas == 3
+    rare_ok = cls("file", (4, 0), (18, 0))
+    assert decide_prefill(S, obs(3), QUIET, [busy, rare_ok]).replicas == 2
+
+
+def test_a_class_with_a_thin_short_window_still_scales_up() -> None:
+    """Six requests in the short window (of twenty needed in the long one) are enough to
+    confirm the long window's burn."""
+    thin = cls("search", short=(1, 5), long=(30, 30))
+    assert decide_prefill(S, obs(2), QUIET, [thin]).replicas > 2
+    thinner = cls("search", short=(1, 3), long=(30, 30))  # 4 < min_short_requests
+    assert decide_prefill(S, obs(2), QUIET, [thinner]).replicas == 2
 
 
 def test_an_idle_pool_shrinks_to_its_minimum_one_step_at_a_time() -> None:
@@ -173,3 +193,6 @@ def test_invariants(
         assert d.replicas == replicas - 1 and warming == 0
         changes = [t for t in (since_up, since_down) if t is not None]
         assert all(t >= S.scale_down_cooldown_s for t in changes)
+        for c in classes:  # never while any class, however rare, burns over the band
+            for w in (c.short, c.long):
+                assert c.burn_rate(w) <= S.scale_down_burn_rate

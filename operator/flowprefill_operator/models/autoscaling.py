@@ -107,7 +107,15 @@ class Autoscaling(CRModel):
         default=20,
         ge=0,
         le=1_000_000,
-        description="Requests a window needs before its burn rate counts (fewer: no signal).",
+        description="Requests of a class the long window needs before its burn rate can "
+        "scale up (and of all classes together before the pool can scale down).",
+    )
+    min_short_requests: int = Field(
+        default=5,
+        ge=0,
+        le=1_000_000,
+        description="Requests of a class the short window needs before its burn rate can "
+        "scale up.",
     )
     gpu_budget: int | None = Field(
         default=None,
