@@ -165,6 +165,19 @@ class Simulation:
             if not (r.state is RequestState.FINISHED and r.met_slo):
                 self._misses += 1
 
+    # Hooks for a pool whose instances come and go mid-run (flowprefill/sim/elastic.py);
+    # the defaults keep the fixed pool every other experiment uses.
+    def routable(self, now_s: float) -> Sequence[Instance]:
+        """The instances an arrival at ``now_s`` may be routed to."""
+        return self.instances
+
+    def next_tick_s(self) -> float:
+        """When the next control step is due (never, for a fixed pool)."""
+        return math.inf
+
+    def tick(self, now_s: float) -> None:
+        """Run the control step due at ``now_s`` (it may add to ``self.instances``)."""
+
     def _over_budget(self) -> bool:
         return self.miss_budget is not None and self._misses > self.miss_budget
 
@@ -180,13 +193,17 @@ class Simulation:
                 w = x.next_wake_s()
                 if w < wake_s:
                     inst, wake_s = x, w
-            if t_arr <= wake_s and i < n:
+            t_tick = self.next_tick_s()
+            if t_tick <= min(t_arr, wake_s) and (i < n or inst is not None):
+                self.tick(t_tick)  # ticks run only while work remains
+            elif t_arr <= wake_s and i < n:
                 r = arrivals[i]
                 i += 1
                 self._expire(t_arr)
                 heapq.heappush(self._deadlines, (r.deadline_s, r.seq, r))
-                k = 0 if len(instances) == 1 else self.router.choose(r, instances, t_arr)
-                instances[k].post(t_arr, _ARRIVAL, r)
+                targets = self.routable(t_arr)
+                k = 0 if len(targets) == 1 else self.router.choose(r, targets, t_arr)
+                targets[k].post(t_arr, _ARRIVAL, r)
             elif inst is not None:
                 self._expire(wake_s)
                 inst.wake(wake_s, self)
