@@ -61,6 +61,10 @@ ATTAINMENT_TARGET = 0.9
 """Every class's attainmentTarget (examples/slo-classes.yaml)."""
 ROUTER = "slack-aware"
 SYSTEMS = ("fixed-peak", "single-target", "queue-hpa", "slo-burn")
+TUNED_RATIOS = (0.6, 0.4, 0.25)
+"""The single-target rule with its target tightened (p90 TTFT of the tightest class at
+this fraction of its SLO): what a peer's user would do to meet every class's target, the
+fair comparison for GPU-hours (``single-target@R``; the largest R that meets them wins)."""
 
 
 @dataclass(frozen=True)
@@ -129,9 +133,10 @@ def controller(setup: Setup, system: str, fixed: int, slos: dict[str, float]) ->
     if system == "slo-burn":
         targets = {c: ATTAINMENT_TARGET for c in slos}
         return SloScaler(setup.scaler(), setup.windows, targets)
-    if system == "single-target":
+    if system.startswith("single-target"):
         tightest = min(slos, key=lambda c: slos[c])
-        settings = setup.scaler(tpot_up_ratio=1.0, tpot_down_ratio=setup.single_down_ratio)
+        up = float(system.partition("@")[2] or 1.0)
+        settings = setup.scaler(tpot_up_ratio=up, tpot_down_ratio=setup.single_down_ratio * up)
         return SingleTarget(settings, setup.windows, tightest, slos[tightest])
     if system == "queue-hpa":
         hpa = HPASettings(
@@ -340,15 +345,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     fixed_row, search = find_fixed_peak(setup, console, t0)
     rows = [fixed_row]
-    jobs = [(setup, s, fixed_row["fixed_replicas"]) for s in SYSTEMS[1:]]
+    tuned = [] if args.quick else [f"single-target@{r:g}" for r in TUNED_RATIOS]
+    jobs = [(setup, s, fixed_row["fixed_replicas"]) for s in (*SYSTEMS[1:], *tuned)]
     with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else nullcontext() as pool:
-        for row in pool.map(run_one, jobs) if pool else map(run_one, jobs):
+        for k, row in enumerate(pool.map(run_one, jobs) if pool else map(run_one, jobs)):
             rows.append(row)
             console.print(
-                f"[{len(rows)}/{len(SYSTEMS)}] {row['system']}: {row['gpu_hours']:.1f} GPU-h, "
+                f"[{k + 2}/{len(jobs) + 1}] {row['system']}: {row['gpu_hours']:.1f} GPU-h, "
                 f"worst class {100 * min(row['attainment'].values()):.1f} % "
                 f"({time.perf_counter() - t0:.0f} s)"
             )
+    tuning = [r for r in rows if "@" in r["system"]]
+    if tuning:  # keep the loosest target that meets every class's, else the tightest tried
+        meeting = [r for r in tuning if r["meets_targets"]]
+        best = meeting[0] if meeting else tuning[-1]
+        rows = [r for r in rows if "@" not in r["system"]]
+        rows.insert(2, {**best, "system": best["system"].replace("@", " tuned ×")})
     console.print(table(rows, setup))
     summary = {
         "command": "python benchmarks/sim_autoscale.py "
@@ -369,6 +381,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "setup": {k: v for k, v in asdict(setup).items() if k not in ("diurnal", "real")},
         "num_requests": n,
         "fixed_search": search,
+        "single_target_tuning": [
+            {"system": r["system"], "gpu_hours": r["gpu_hours"], "attainment": r["attainment"]}
+            for r in tuning
+        ],
         "systems": {r["system"]: r for r in rows},
     }
     (out_dir / "result.json").write_text(json.dumps(summary, indent=1))

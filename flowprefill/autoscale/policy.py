@@ -13,8 +13,9 @@ minutes instead of days): a burst moves only the short window and is not acted o
 long window alone is stale. Scale up when both windows burn at least
 ``scale_up_burn_rate``; scale down when every class burns at most ``scale_down_burn_rate``
 in both (the band between is hysteresis) — every class that had any request, however
-rare: a small sample of misses holds a scale-down — or when the pool has been idle for
-the whole long window.
+rare: a small sample of misses holds a scale-down — and, where the caller measures the
+pool's load, the replicas left would not be busier than ``max_load_after_down``; or when
+the pool has been idle for the whole long window.
 
 **Decode** pools are sized on p90 time per output token against the classes'
 ``tpotSloMs``: up when both windows are over the target (``tpot_up_ratio``), down when
@@ -104,6 +105,11 @@ class ScalerSettings:
     """Decode: scale up when p90 TPOT exceeds this × the target in both windows."""
     tpot_down_ratio: float = 0.6
     """Decode: scale down when p90 TPOT is under this × the target in both windows."""
+    max_load_after_down: float = 0.7
+    """With a measured ``load``: scale down only if the replicas left would be busy at most
+    this fraction of the time. Attainment alone says nothing until a pool is nearly
+    saturated (queueing delay grows steeply only near full load), so without it a pool
+    steps down until it is one short, misses, and overshoots."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,9 @@ class PoolObservation:
     ready_replicas: int
     warming_replicas: int
     """Started less than ``warmup_s`` ago and not ready yet: capacity on its way."""
+    load: float | None = None
+    """Prefill work offered over the long window, in replicas' worth (device-seconds of
+    work per second); None: not measured, and scale-down goes by attainment alone."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +261,13 @@ def decide_prefill(
     total = sum(c.long.total for c in seen)
     if total >= settings.min_requests and hottest <= settings.scale_down_burn_rate:
         why = f"every class within {hottest:.2f}× its error budget in both windows"
+        load, left = observation.load, observation.replicas - 1
+        if load is not None and left > 0 and load / left > settings.max_load_after_down:
+            return Decision(
+                observation.replicas,
+                f"hold: {why}, but {left} replicas would be {load / left:.0%} busy "
+                f"(more than {settings.max_load_after_down:.0%})",
+            )
         return _down(settings, observation, memory, why)
     if worst is not None:
         return Decision(observation.replicas, f"hold: {burns}", worst.name)

@@ -125,6 +125,9 @@ class Observed:
     log: FinishedLog
     num_queued: int
     """Requests waiting (not running) on the replicas that take traffic, right now."""
+    work_s: float = 0.0
+    """Device-seconds of prefill work submitted to the pool's replicas so far (cumulative,
+    removed replicas included): its increase over a window is the load offered then."""
 
 
 class Controller(Protocol):
@@ -189,6 +192,7 @@ class SloScaler(_PolicyScaler):
     ) -> None:
         super().__init__(settings, windows)
         self.targets = dict(targets)
+        self._work: deque[tuple[float, float]] = deque()
 
     def decide(self, observed: Observed) -> int:
         now, log = observed.pool.now_s, observed.log
@@ -201,8 +205,20 @@ class SloScaler(_PolicyScaler):
             )
             for name, target in sorted(self.targets.items())
         ]
-        d = decide_prefill(self.settings, observed.pool, self.memory, signals)
+        pool = replace(observed.pool, load=self._load(now, observed.work_s))
+        d = decide_prefill(self.settings, pool, self.memory, signals)
         return self._remember(observed.pool, d.replicas, d.reason)
+
+    def _load(self, now_s: float, work_s: float) -> float | None:
+        """Work offered over the long window, in replicas' worth (None until the first
+        sample is a whole window old): what the operator would read off the engines."""
+        self._work.append((now_s, work_s))
+        while len(self._work) > 1 and self._work[1][0] <= now_s - self.windows.long_s:
+            self._work.popleft()
+        then_s, then_work = self._work[0]
+        if now_s - then_s < self.windows.long_s * 0.99:
+            return None
+        return (work_s - then_work) / (now_s - then_s)
 
 
 class SingleTarget(_PolicyScaler):

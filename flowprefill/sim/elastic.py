@@ -159,7 +159,8 @@ class ElasticSimulation(Simulation):
         warming = sum(r.warming(now_s) for r in asked)
         obs = PoolObservation(now_s, len(asked), len(asked) - warming, warming)
         queued = sum(_queued(r.instance) for r in asked if r.takes_traffic(now_s))
-        target = self.controller.decide(Observed(obs, self.log, queued))
+        work = sum(r.instance.pool.work_s for r in self.replicas)
+        target = self.controller.decide(Observed(obs, self.log, queued, work))
         self.resize(target, now_s)
         self._sample(now_s)
         self._next_tick_s = now_s + self.period_s

@@ -196,3 +196,14 @@ def test_invariants(
         for c in classes:  # never while any class, however rare, burns over the band
             for w in (c.short, c.long):
                 assert c.burn_rate(w) <= S.scale_down_burn_rate
+
+
+def test_a_measured_load_holds_a_scale_down_the_replicas_left_could_not_carry() -> None:
+    """Attainment is perfect until a pool is nearly saturated: the load says how near."""
+    quiet = [cls("text", (1000, 0), (9000, 0))]
+    busy = PoolObservation(NOW, 3, 3, 0, load=1.6)  # 2 left would be 80 % busy
+    d = decide_prefill(S, busy, QUIET, quiet)
+    assert d.replicas == 3 and "80% busy" in d.reason
+    light = PoolObservation(NOW, 3, 3, 0, load=1.2)  # 60 %
+    assert decide_prefill(S, light, QUIET, quiet).replicas == 2
+    assert decide_prefill(S, obs(3), QUIET, quiet).replicas == 2  # unmeasured: attainment
