@@ -26,6 +26,7 @@ class Series:
     label: str
     role: str
     pid: int
+    cmdline: str = ""
     t_s: list[float] = field(default_factory=list)
     rss_mb: list[float] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
@@ -37,6 +38,7 @@ class Series:
             self.label,
             self.role,
             self.pid,
+            self.cmdline,
             [self.t_s[i] for i in keep],
             [self.rss_mb[i] for i in keep],
             [self.fds[i] for i in keep],
@@ -85,7 +87,8 @@ class TreeSampler:
                         role = role_of(cmdline)
                         if role == "other":
                             role = f"other: {p.name()}"
-                        s = self.series[p.pid] = Series(f"{role} ({p.pid})", role, p.pid)
+                        label = f"{role} ({p.pid})"
+                        s = self.series[p.pid] = Series(label, role, p.pid, cmdline[:300])
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             s.t_s.append(t_s)

@@ -183,6 +183,7 @@ def test_a_tiny_soak_of_a_prefill_only_stack(tmp_path: Path) -> None:
             assert p[resource]["verdict"] in ("growth", "steady", "falling", "too few samples")
             assert p[resource]["num_samples"] >= 6
     assert all(len(s["t_s"]) == len(s["rss_mb"]) == len(s["fds"]) > 6 for s in summary["series"])
+    assert all("serve-prefill" in s["cmdline"] for s in summary["series"] if s["role"] == "prefill")
     assert set(summary["gauges"]) == {
         "in flight at the gateway",
         "queued at prefill 0",
