@@ -32,7 +32,8 @@ class GatewayMetrics:
         )
         self.slo_requests = Counter(
             "flowprefill_gateway_slo_requests",
-            "Requests that produced a first token, by SLO class and whether it met the TTFT SLO.",
+            "Requests by SLO class and whether they met the TTFT SLO: counted at the first "
+            "token, or as missed at the deadline when still waiting then (not again later).",
             ["slo_class", "outcome"],
             registry=r,
         )
@@ -77,12 +78,21 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def first_token(self, slo_class: str, *, ttft_s: float, met: bool, wait_s: float) -> None:
+    def first_token(
+        self, slo_class: str, *, ttft_s: float, met: bool, wait_s: float, counted: bool = False
+    ) -> None:
         """A request's first token went to its client ``ttft_s`` after gateway arrival;
-        ``met`` is judged against the request's TTFT target; ``wait_s`` was spent at prefill."""
+        ``met`` is judged against the request's TTFT target; ``wait_s`` was spent at
+        prefill; ``counted``: already counted missed at its deadline."""
         self.ttft.labels(slo_class).observe(ttft_s)
-        self.slo_requests.labels(slo_class, "met" if met else "missed").inc()
+        if not counted:
+            self.slo_requests.labels(slo_class, "met" if met else "missed").inc()
         self.queue_time.labels(slo_class).observe(wait_s)
+
+    def missed_at_deadline(self, slo_class: str) -> None:
+        """A request had no first token by its deadline: missed, counted now (and not
+        again at its first token), so that the miss shows while it still waits."""
+        self.slo_requests.labels(slo_class, "missed").inc()
 
     def decoded(self, slo_class: str, *, decode_s: float, num_tokens: int) -> None:
         """``num_tokens`` (the first included) reached the client, the last ``decode_s``

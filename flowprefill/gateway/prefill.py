@@ -10,13 +10,16 @@ pool's routing policy, with :mod:`~flowprefill.gateway.failover`) is sent a
 ``ttft_slo_s`` and the ``elapsed_s`` since gateway arrival. When decode will continue the
 request, prefill is asked to hand off the KV cache, streamed so that writing it is not on
 the time to first token. Records the first-token metrics: TTFT and
-``met``/``missed`` against the class SLO, both from gateway arrival; and passes the
+``met``/``missed`` against the class SLO, both from gateway arrival — a request still
+waiting at its deadline is counted missed then, so misses show while an overload lasts;
+and passes the
 instance's reported backlog (:class:`~flowprefill.contracts.prefill_api.PrefillLoad`) to
 the pool for the next admissions.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from flowprefill.contracts.prefill_api import PrefillRequest
@@ -89,12 +92,31 @@ class PrefillStage:
 
         work = Placement(job.request_id, job.deadline_s, len(job.token_ids))
         self.admit(work, job)
+        # A request still waiting at its deadline is counted missed then, not when (or if)
+        # its first token comes: under overload S-EDF sinks late requests below feasible
+        # ones, and counting at the first token would show the misses only once the
+        # overload is over — too late for the autoscaler that reads these counters.
+        counted = False
+
+        def at_deadline() -> None:
+            nonlocal counted
+            counted = True
+            self.metrics.missed_at_deadline(job.slo.name)
+
+        overdue = asyncio.get_running_loop().call_later(
+            max(0.0, job.deadline_s - self.clock()), at_deadline
+        )
         try:
             answer = await failover_call(self.pool, work, call)
         finally:
+            overdue.cancel()
             self.pool.release_reservation(deadline_s=work.deadline_s, num_tokens=work.num_tokens)
         ttft_s = self.clock() - job.arrival_s
         self.metrics.first_token(
-            job.slo.name, ttft_s=ttft_s, met=job.met_slo(ttft_s), wait_s=answer.wait_s
+            job.slo.name,
+            ttft_s=ttft_s,
+            met=job.met_slo(ttft_s),
+            wait_s=answer.wait_s,
+            counted=counted,
         )
         return answer

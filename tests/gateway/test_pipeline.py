@@ -7,6 +7,8 @@ a KV hand-off.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -261,3 +263,50 @@ async def test_ignore_eos_continues_past_an_eos_first_token_and_reaches_decode()
     assert decode.sampling == [{"ignore_eos": True}]
     plain = CompletionRequest(model="m", prompt=[1], temperature=0.0)
     assert plain.decode_sampling() == {"temperature": 0.0}
+
+
+class SlowPrefill(FakePrefill):
+    """Takes ``took_s`` of real time (the gateway's deadline timer runs on the loop)."""
+
+    async def prefill(
+        self, url: str, request: PrefillRequest, headers: dict[str, str]
+    ) -> PrefillAnswer:
+        self.sent.append((url, request, headers))
+        await asyncio.sleep(self.took_s)
+        if url in self.refuse:
+            raise UpstreamError(502, f"{url} failed", "prefill_failed")
+        return PrefillAnswer(response(), 0.0, url)
+
+
+def _slo_count(metrics: GatewayMetrics, outcome: str) -> float | None:
+    return metrics.registry.get_sample_value(
+        "flowprefill_gateway_slo_requests_total", {"slo_class": "chat", "outcome": outcome}
+    )
+
+
+async def test_a_request_still_waiting_at_its_deadline_is_counted_missed_then_and_once() -> None:
+    clock = time.monotonic
+    metrics = GatewayMetrics()
+    pool = InstancePool("prefill", ["http://p"], clock=clock)
+    stage = PrefillStage(pool, SlowPrefill(Clock(), took_s=1.0), metrics, clock, has_decode=False)
+    running = asyncio.create_task(stage.run(job(arrival_s=clock(), ttft_slo_ms=100)))
+    await asyncio.sleep(0.5)  # past the 100 ms deadline, prefill still running
+    assert _slo_count(metrics, "missed") == 1 and not running.done()
+    await running
+    assert _slo_count(metrics, "missed") == 1 and _slo_count(metrics, "met") is None
+    ttft = metrics.registry.get_sample_value(
+        "flowprefill_gateway_ttft_seconds_count", {"slo_class": "chat"}
+    )
+    assert ttft == 1  # its TTFT is still observed, once
+
+
+async def test_a_request_that_fails_before_its_deadline_is_not_counted() -> None:
+    clock = time.monotonic
+    metrics = GatewayMetrics()
+    pool = InstancePool("prefill", ["http://p"], clock=clock)
+    client = SlowPrefill(Clock(), took_s=0.05, refuse=("http://p",))
+    stage = PrefillStage(pool, client, metrics, clock, has_decode=False)
+    with pytest.raises(UpstreamError):
+        await stage.run(job(arrival_s=clock(), ttft_slo_ms=400))
+    await asyncio.sleep(0.5)  # the deadline passes: the timer was cancelled with it
+    assert _slo_count(metrics, "missed") is None and _slo_count(metrics, "met") is None
