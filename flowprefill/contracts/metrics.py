@@ -40,6 +40,10 @@ GATEWAY_TPOT: Final = "flowprefill_gateway_tpot_seconds"
 """Histogram by class: time per output token after the first, of each request that
 decode continued ((last token - first token) / (tokens - 1)); the operator's autoscaler
 sizes decode pools from its p90."""
+GATEWAY_PREFILL_WORK: Final = "flowprefill_gateway_prefill_work_seconds"
+"""Counter by class: predicted device-seconds of the prefills the gateway had served (the
+TTFT profile's time for each prompt): its rate is the load offered to the prefill pool in
+replicas' worth, the autoscaler's guard against scaling down into saturation."""
 GATEWAY_SHED: Final = "flowprefill_gateway_shed"
 """Counter by class: requests refused at admission (HTTP 429) because they could not be
 served before their deadline; the operator writes the window's count into SLOClass status."""

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from flowprefill.contracts.metrics import (
     CLAIM_LABEL,
     GATEWAY_CLAIMS_REFUSED,
+    GATEWAY_PREFILL_WORK,
     GATEWAY_SHED,
     GATEWAY_TPOT,
     SLO_CLASS_LABEL,
@@ -58,6 +59,13 @@ class GatewayMetrics:
             "flowprefill_gateway_errors",
             "Requests that ended in an error, by reason.",
             ["reason"],
+            registry=r,
+        )
+        self.prefill_work = Counter(
+            GATEWAY_PREFILL_WORK,
+            "Predicted device-seconds of the prefills served, by SLO class (the TTFT "
+            "profile's time per prompt): its rate is the prefill load in replicas' worth.",
+            [SLO_CLASS_LABEL],
             registry=r,
         )
         self.shed = Counter(

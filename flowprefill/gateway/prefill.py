@@ -112,6 +112,7 @@ class PrefillStage:
             overdue.cancel()
             self.pool.release_reservation(deadline_s=work.deadline_s, num_tokens=work.num_tokens)
         ttft_s = self.clock() - job.arrival_s
+        self.metrics.prefill_work.labels(job.slo.name).inc(self.pool.predict_s(len(job.token_ids)))
         self.metrics.first_token(
             job.slo.name,
             ttft_s=ttft_s,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from flowprefill.contracts.metrics import (
+    GATEWAY_PREFILL_WORK,
     GATEWAY_SHED,
     GATEWAY_SLO_REQUESTS,
     GATEWAY_TPOT,
@@ -35,6 +36,8 @@ from flowprefill.contracts.metrics import (
 SLO_REQUESTS = GATEWAY_SLO_REQUESTS
 OUTCOMES = (Outcome.MET.value, Outcome.MISSED.value)
 SHED = "shed"
+WORK = "prefill_work_s"
+"""Predicted device-seconds of prefill the class's requests took (the load signal)."""
 TPOT_BUCKET = "tpot_le_"
 """Series of one class are named by outcome (met, missed), ``shed``, and ``tpot_le_<bound>``
 for the TPOT histogram's cumulative buckets (``tpot_le_+Inf`` counts every sample)."""
@@ -68,6 +71,8 @@ def _series(family: str, name: str, labels: Mapping[str, str]) -> str | None:
         return outcome if outcome in OUTCOMES else None
     if family == GATEWAY_SHED and name == GATEWAY_SHED + "_total":
         return SHED
+    if family == GATEWAY_PREFILL_WORK and name == GATEWAY_PREFILL_WORK + "_total":
+        return WORK
     if family == GATEWAY_TPOT and name == GATEWAY_TPOT + "_bucket" and "le" in labels:
         return TPOT_BUCKET + labels["le"]
     return None  # other families, _created, _sum, _count

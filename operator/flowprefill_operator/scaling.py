@@ -22,7 +22,7 @@ from flowprefill.autoscale.policy import (
     WindowCounts,
 )
 
-from .attainment import Counts, tpot_quantile
+from .attainment import WORK, Counts, tpot_quantile
 from .models.autoscaling import AutoscalerStatus, Autoscaling
 
 TPOT_QUANTILE = 0.9
@@ -110,6 +110,16 @@ def observe_pool(
 def _window(counts: Mapping[str, float] | None) -> WindowCounts:
     counts = counts or {}
     return WindowCounts(met=counts.get("met", 0.0), missed=counts.get("missed", 0.0))
+
+
+def prefill_load(long: Counts, span_s: float) -> float | None:
+    """The prefill work the service's gateways served over the long window, in replicas'
+    worth (predicted device-seconds per second); None when the gateways export none (an
+    older gateway) or the window is empty."""
+    work = [c[WORK] for c in long.values() if WORK in c]
+    if not work or span_s <= 0:
+        return None
+    return sum(work) / span_s
 
 
 def class_signals(classes: list[ServedClass], short: Counts, long: Counts) -> list[ClassSignal]:

@@ -7,11 +7,13 @@ import math
 
 import pytest
 from flowprefill_operator.attainment import (
+    WORK,
     AttainmentTracker,
     parse_slo_counters,
     scrape,
     tpot_quantile,
 )
+from flowprefill_operator.scaling import prefill_load
 from prometheus_client import Counter, generate_latest
 
 from flowprefill.contracts.metrics import GATEWAY_SHED, TPOT_BUCKETS_S
@@ -22,9 +24,10 @@ def gateway_metrics(
     counts: dict[tuple[str, str], int],
     tpot_s: dict[str, list[float]] | None = None,
     shed: dict[str, int] | None = None,
+    work_s: dict[str, float] | None = None,
 ) -> str:
     """Exposition text as the gateway's own metrics render it: ``counts`` of (class,
-    outcome), TPOT samples and shed requests by class."""
+    outcome), TPOT samples, shed requests and prefill work (device-seconds) by class."""
     m = GatewayMetrics()
     for (cls, outcome), n in counts.items():
         m.slo_requests.labels(cls, outcome).inc(n)
@@ -37,12 +40,22 @@ def gateway_metrics(
         shed_counter = Counter(GATEWAY_SHED, "shed", ["slo_class"], registry=m.registry)
     for cls, n in (shed or {}).items():
         shed_counter.labels(cls).inc(n)
+    for cls, w in (work_s or {}).items():
+        m.prefill_work.labels(cls).inc(w)
     return generate_latest(m.registry).decode()
 
 
 def test_parse_counters_ignores_other_families() -> None:
     text = gateway_metrics({("chat", "met"): 9, ("chat", "missed"): 1, ("file", "met"): 2})
     assert parse_slo_counters(text) == {"chat": {"met": 9.0, "missed": 1.0}, "file": {"met": 2.0}}
+
+
+def test_parse_reads_prefill_work_and_the_load_follows() -> None:
+    text = gateway_metrics({("chat", "met"): 1}, work_s={"chat": 3.0, "file": 9.0})
+    counts = parse_slo_counters(text)
+    assert counts["chat"][WORK] == 3.0 and counts["file"] == {WORK: 9.0}
+    assert prefill_load(counts, span_s=6.0) == 2.0  # 12 device-seconds in 6 s: 2 replicas
+    assert prefill_load({"chat": {"met": 1.0}}, span_s=6.0) is None  # an older gateway
 
 
 def test_parse_reads_shed_and_tpot_buckets() -> None:

@@ -36,13 +36,16 @@ class FakeGateway:
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], int] = {}
         self.tpot_s: dict[str, list[float]] = {}
+        self.work_s: dict[str, float] = {}
         self.lock = threading.Lock()
         gateway = self
 
         class Metrics(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 with gateway.lock:
-                    body = gateway_metrics(dict(gateway.counts), dict(gateway.tpot_s)).encode()
+                    body = gateway_metrics(
+                        dict(gateway.counts), dict(gateway.tpot_s), work_s=dict(gateway.work_s)
+                    ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.end_headers()
@@ -54,10 +57,11 @@ class FakeGateway:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def add(self, cls: str, met: int = 0, missed: int = 0) -> None:
+    def add(self, cls: str, met: int = 0, missed: int = 0, work_s: float = 0.0) -> None:
         with self.lock:
             for outcome, n in (("met", met), ("missed", missed)):
                 self.counts[(cls, outcome)] = self.counts.get((cls, outcome), 0) + n
+            self.work_s[cls] = self.work_s.get(cls, 0.0) + work_s
 
     def decode(self, cls: str, tpot_s: float, n: int) -> None:
         with self.lock:
@@ -196,6 +200,25 @@ def test_no_misses_scale_down_to_min(cluster: Cluster, gateway: FakeGateway) -> 
     wait_for(lambda: replicas(cluster, ns, "m-prefill") == 1, 30, "scaled down to min")
     assert autoscaler_status(cluster, ns, "m-prefill")["lastScaleDownTime"]
     assert "ScaledDown" in cluster.event_reasons(ns, "m-prefill")
+
+
+def test_a_busy_pool_is_not_scaled_down_however_well_it_attains(
+    cluster: Cluster, gateway: FakeGateway
+) -> None:
+    """Every request met, but the gateways' prefill work says the pool is near full: two
+    replicas left would be saturated."""
+    ns = "as-busy"
+    p = autoscaled("m-prefill", "m", minReplicas=1)
+    p["spec"]["replicas"] = 3
+    start(cluster, ns, gateway, "m", p)
+    gateway.add("chat", met=200, work_s=1e6)
+    wait_for(
+        lambda: "busy" in autoscaler_status(cluster, ns, "m-prefill").get("reason", ""),
+        30,
+        "held for load",
+    )
+    assert replicas(cluster, ns, "m-prefill") == 3
+    assert "ScaledDown" not in cluster.event_reasons(ns, "m-prefill")
 
 
 def test_decode_follows_tpot(cluster: Cluster, gateway: FakeGateway) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import kopf
@@ -35,6 +35,7 @@ from ..scaling import (
     class_signals,
     next_status,
     observe_pool,
+    prefill_load,
     scaler_memory,
     scaler_settings,
     tpot_signal,
@@ -93,6 +94,7 @@ def decide(
     pool: Scaled,
     classes: list[ServedClass],
     now_s: float,
+    prefill_replicas: int = 0,
 ) -> Decision | None:
     """The policy's decision for one pool; None without a signal to decide on."""
     auto = pool.spec.autoscaling
@@ -119,6 +121,10 @@ def decide(
             # The policy scales an idle pool down; idle means a whole long window without
             # requests, which a just-started operator (or a new pool) has not seen yet.
             return Decision(pool.spec.replicas, IDLE_UNSEEN)
+        load = prefill_load(long, long_span_s)
+        if load is not None:  # this pool's share: the service's prefill pools split it
+            share = pool.spec.replicas / max(1, prefill_replicas)
+            observation = replace(observation, load=load * share)
         return decide_prefill(settings, observation, memory, signals)
     tpot = tpot_signal(classes, short, long)
     if tpot is None:  # nothing to size decode on: hold, and say why
@@ -200,8 +206,11 @@ def autoscale_service(
                 status = parse_status(ServingPoolStatus, body.get("status"))
                 owned.append(Scaled(body, spec, status))
         served = served_classes(peers, classes)
+        prefill_replicas = sum(p.spec.replicas for p in peers if p.spec.role == "prefill")
         for pool in owned:
-            pool.decision = decide(ctx, tracker, namespace, service, pool, served, now_s)
+            pool.decision = decide(
+                ctx, tracker, namespace, service, pool, served, now_s, prefill_replicas
+            )
         decided = [p for p in owned if p.decision is not None]
         others = [p for p in peers if p.name not in {s.body["metadata"]["name"] for s in owned}]
         budget = budget_gpus(owned, others)
