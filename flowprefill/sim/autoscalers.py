@@ -22,12 +22,12 @@ returns. The controllers:
 
 What the controllers see of requests (:class:`Judge`, a choice of the elastic pool):
 
-* ``first-token`` — as the gateway counts today (``flowprefill_gateway_slo_requests``):
-  at its first token, TTFT against the class's SLO (``Request.met_slo``); a request
-  still waiting counts only once it finishes.
+* ``first-token`` — at its first token, TTFT against the class's SLO
+  (``Request.met_slo``); a request still waiting counts only once it finishes (how the
+  gateway counted before it counted at the deadline).
 * ``deadline`` — a met request counts at its first token; a request whose deadline
   passed without a first token counts as missed then (at the first control step after
-  it), as a gateway timer per request would count it. Under overload S-EDF runs the
+  it), as the gateway's timer per request counts it (``flowprefill_gateway_slo_requests``). Under overload S-EDF runs the
   requests that can still make it and sinks the late ones, which then wait until the
   load drops: with ``first-token`` the requests that *finish* mostly met, and the misses
   show up only after the overload is over.
