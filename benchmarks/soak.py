@@ -91,7 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill", type=int, default=1, help="up --prefill")
     ap.add_argument("--decode", type=int, default=1, help="up --decode (0: prefill only)")
-    ap.add_argument("--up-arg", action="append", default=[], help="one more `up` argument")
+    ap.add_argument(
+        "--up-arg",
+        action="append",
+        default=[],
+        help="one more `up` argument (repeat it); KEY=VALUE sets the stack's environment",
+    )
     ap.add_argument("--profile", help="TTFT profile JSON (default: profiled here first)")
     ap.add_argument("--out", default=f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
