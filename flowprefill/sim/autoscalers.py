@@ -27,10 +27,11 @@ What the controllers see of requests (:class:`Judge`, a choice of the elastic po
   gateway counted before it counted at the deadline).
 * ``deadline`` — a met request counts at its first token; a request whose deadline
   passed without a first token counts as missed then (at the first control step after
-  it), as the gateway's timer per request counts it (``flowprefill_gateway_slo_requests``). Under overload S-EDF runs the
-  requests that can still make it and sinks the late ones, which then wait until the
-  load drops: with ``first-token`` the requests that *finish* mostly met, and the misses
-  show up only after the overload is over.
+  it), as the gateway's timer per request counts it
+  (``flowprefill_gateway_slo_requests``). Under overload S-EDF runs the requests that can
+  still make it and sinks the late ones, which then wait until the load drops: with
+  ``first-token`` the requests that *finish* mostly met, and the misses show up only
+  after the overload is over.
 """
 
 from __future__ import annotations

@@ -114,8 +114,7 @@ class Autoscaling(CRModel):
         default=5,
         ge=0,
         le=1_000_000,
-        description="Requests of a class the short window needs before its burn rate can "
-        "scale up.",
+        description="Requests of a class the short window needs before its burn rate can scale up.",
     )
     gpu_budget: int | None = Field(
         default=None,
