@@ -174,6 +174,8 @@ def test_metrics_are_exported() -> None:
     assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="chat"} 1.0' in text
 
 
+# The scheduler thread dies of the injected bug by design; the test checks what callers see.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_scheduler_crash_fails_waiting_callers_instead_of_hanging(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
