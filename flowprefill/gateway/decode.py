@@ -6,11 +6,31 @@ Otherwise a decode instance (vLLM) continues from the prompt *plus* the first to
 loading the prompt's KV through the hand-off (awaited first: the first token went out
 before prefill finished writing it), picked with :mod:`~flowprefill.gateway.failover`.
 
-Who deletes the hand-off: once a decode instance may hold the request, its connector
-deletes the hand-off when the request ends there (the gateway deleting it too could pull
-it from under that instance's load). When none does — first token EOS, client gone before
-decode, every instance refused or rejected it — nobody will load it, and this stage
-releases it through the prefill instance.
+Who deletes the hand-off (a file of up to GBs that prefill's age sweep would otherwise
+keep for minutes): this stage releases it through the prefill instance
+(:meth:`~flowprefill.gateway.upstream.PrefillClient.release`, in the background) as soon
+as no decode instance can still load it *for this request*:
+
+* nobody was asked to: the first token ended the answer, the client left before decode,
+  no decode instance could be picked;
+* decode finished: vLLM calls the connector's ``request_finished`` before it sends the
+  finish reason, and a finished request never loads again. The connector's own delete
+  (``DELETE_GRACE_S`` later) then finds nothing; the gateway's does not wait for it,
+  because a decode process killed within that grace takes its pending delete with it;
+* the gateway gave up on decode (every attempt failed; the client gets the error): an
+  instance that answered an error or refused did not keep the request, one that died
+  has no connector left to delete anything, and one whose connection the gateway
+  dropped (stalled, a timeout, a stream error) aborts the request.
+
+Never while an attempt is live: a retry on another instance is that instance's to load
+and its connector deletes the hand-off when the request ends there. The one case left to
+decode is a client that leaves while an attempt is live: that instance may be loading it
+right now (vLLM's batch queue can run a step scheduled before the abort), and its
+connector deletes it after the abort's grace. A release can still meet a load on an
+instance the gateway has already dropped (a stalled one that resumes with a step
+scheduled): that load finds no hand-off and vLLM recomputes the prompt — the connector's
+fallback for a missing hand-off — for a request whose output nobody reads. A second
+delete (connector and gateway both) finds nothing and is harmless.
 """
 
 from __future__ import annotations
@@ -19,7 +39,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from flowprefill.gateway.errors import UpstreamError
+from flowprefill.gateway.errors import GatewayError, UpstreamError
 from flowprefill.gateway.failover import Placement, failover
 from flowprefill.gateway.job import Job
 from flowprefill.gateway.routing import Instance, InstancePool
@@ -36,7 +56,8 @@ class Piece:
 
 @dataclass
 class _Custody:
-    decode_may_have_it: bool = False
+    attempt_live: bool = False
+    """A decode attempt is running on an instance that may be loading the hand-off."""
 
 
 class DecodeStage:
@@ -71,8 +92,13 @@ class DecodeStage:
             async with aclosing(self._decode(job, answer, budget, custody)) as pieces:
                 async for piece in pieces:
                     yield piece
+        except GatewayError:
+            custody.attempt_live = False  # given up on decode: no instance will load it
+            raise
         finally:
-            if not custody.decode_may_have_it:
+            # Finished, given up, or never sent: released. Left to decode only when the
+            # client stopped reading while an attempt was live (see the module docstring).
+            if not custody.attempt_live:
                 self.prefill_client.release(answer)
 
     async def _decode(
@@ -84,8 +110,7 @@ class DecodeStage:
         handoff = await answer.hand_off()
 
         async def attempt(inst: Instance) -> AsyncGenerator[DecodeDelta, None]:
-            streamed = False
-            custody.decode_may_have_it = True  # from the moment it may reach the instance
+            custody.attempt_live = True  # from the moment it may reach the instance
             deltas = client.stream(
                 inst.url,
                 prompt_token_ids=[*job.token_ids, answer.first_token_id],
@@ -98,13 +123,14 @@ class DecodeStage:
             try:
                 async with aclosing(deltas):
                     async for delta in deltas:
-                        streamed = True
                         yield delta
             except UpstreamError:
-                # Refused, or answered with an error before any output: vLLM did not keep
-                # the request, so its connector will not clean up after it.
-                custody.decode_may_have_it = streamed
+                # Refused, answered an error, died or broke the stream: that instance will
+                # not load it (it did not keep the request, has no connector left, or aborts
+                # it); a retry elsewhere is live again from its start.
+                custody.attempt_live = False
                 raise
+            custody.attempt_live = False  # finished there ([DONE]): vLLM freed it first
 
         finish: str | None = None
         work = Placement(job.request_id, job.deadline_s, budget)

@@ -177,7 +177,7 @@ async def _pieces(stage: DecodeStage, j: Job, answer: PrefillAnswer) -> list[Pie
     return [p async for p in stage.continuation(j, answer)]
 
 
-async def test_decode_continues_and_only_unloaded_handoffs_are_released() -> None:
+async def test_decode_continues_and_the_handoff_is_released_once_decode_is_done() -> None:
     clock = Clock()
     prefill = FakePrefill(clock, 0.0)
     ref = HandoffRef("cmpl-1", 3)
@@ -192,12 +192,12 @@ async def test_decode_continues_and_only_unloaded_handoffs_are_released() -> Non
     j = job(arrival_s=clock.now_s)
     assert await _pieces(stage, j, answer) == [Piece(" a"), Piece(" b", "length")]
     assert decode.handoffs == [ref] and j.num_completion_tokens == 4
-    assert prefill.released == []  # decode's connector deletes what it loaded
+    assert prefill.released == [answer]  # finished there: nothing loads it again
 
     decode.fail = UpstreamError(400, "bad sampling", "decode_400")
     with pytest.raises(UpstreamError):
         await _pieces(stage, job(arrival_s=clock.now_s), answer)
-    assert prefill.released == [answer]  # decode refused it: nobody will load it
+    assert prefill.released == [answer, answer]  # decode refused it: nobody will load it
 
     eos = PrefillAnswer(response(first=2), 0.0, "http://p")
     assert await _pieces(stage, job(arrival_s=clock.now_s), eos) == [Piece("", "stop")]
