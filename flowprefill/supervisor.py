@@ -1,7 +1,8 @@
 """The processes of ``flowprefill up``: start them, wait for readiness, restart the ones
 that die, stop them in order.
 
-A child that dies while the stack is up is restarted after a back-off (1 s, doubling per
+A child that dies while the stack is up (what it started in its process group killed
+with it, as with a pod) is restarted after a back-off (1 s, doubling per
 consecutive quick death, at most 30 s), as a Kubernetes Deployment would restart its pod:
 the gateway routes around it meanwhile (a refused connection is retried on another
 instance) and sends traffic to it again once it answers. A child that keeps dying soon
@@ -12,6 +13,7 @@ and shows the tail of the child's log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -114,6 +116,17 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def kill_leftovers(self) -> None:
+        """SIGKILL whatever the dead process left in its process group — its own children,
+        such as vLLM's engine core and workers, which outlive a killed API server — as a
+        pod's death takes all its processes. Left alone they keep their memory and cores
+        beside the restarted child's own. The group is the child's (``start_new_session``),
+        and a process group's id is not reused while any member lives."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):  # nothing left behind
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
     def ready(self) -> bool:
         try:
             return httpx.get(self.url + self.process.ready_path, timeout=1.0).status_code == 200
@@ -195,6 +208,7 @@ class Supervisor:
                 continue
             if c.proc is None or c.proc.poll() is None:
                 continue
+            c.kill_leftovers()
             quick = now - c.started_s < self.policy.stable_after_s
             c.quick_deaths = c.quick_deaths + 1 if quick else 1
             how = describe_exit(c.proc.returncode)

@@ -102,3 +102,25 @@ def test_stop_all_stops_a_stopped_child_too(tmp_path: Path) -> None:
 def test_exits_are_described_by_code_or_signal() -> None:
     assert describe_exit(3) == "exit 3"
     assert describe_exit(-9) == "killed by SIGKILL"
+
+
+def test_what_a_dead_child_started_dies_with_it(tmp_path: Path) -> None:
+    """vLLM's API server killed alone leaves its engine core running: the supervisor kills
+    the rest of the child's process group, as a pod's death would."""
+    import psutil
+
+    pid_file = tmp_path / "grandchild"
+    script = (
+        "import os, subprocess, sys; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); os.kill(os.getpid(), 9)"
+    )
+    child = _child(tmp_path, script)
+    sup = _supervisor([child], Clock())
+    sup._start(child)
+    _wait_dead(child)
+    grandchild = psutil.Process(int(pid_file.read_text()))
+    assert grandchild.is_running() and grandchild.status() != psutil.STATUS_ZOMBIE
+    sup.tick()
+    grandchild.wait(10)  # raises TimeoutExpired if it outlived its parent
+    assert child.restart_at_s is not None
