@@ -12,6 +12,11 @@ gateway therefore probes every instance's liveness path on its own:
   yet on another instance, and ends one that had with a clear error);
 * the first answered probe (any HTTP status: the process runs) puts it back.
 
+A probe also ends a dead instance's back-off: one whose probes were refused and that now
+answers has been restarted (and a vLLM or prefill server listens only once it can serve),
+so it is back in rotation at once instead of after a back-off that doubled while it was
+down (up to 30 s of every request failing for want of it when it is the only one).
+
 So a stall is detected within ``failures × (interval_s + timeout_s)`` (4 s by default)
 of its start. A refused connection says nothing about a stall: a dead process fails the
 requests sent to it at once, and the routing back-off handles it; a stalled instance
@@ -52,6 +57,8 @@ class HealthProber:
         self.pools = list(pools)
         self.settings = settings
         self._failed: dict[str, int] = {}
+        self._refused: set[str] = set()
+        """Instances whose last probe was refused: dead, or not started yet."""
 
     async def run(self) -> None:
         async with httpx.AsyncClient() as client:
@@ -77,9 +84,17 @@ class HealthProber:
 
     def _record(self, pool: InstancePool, inst: Instance, probe: Probe) -> None:
         if probe is Probe.UNREACHABLE:
+            self._refused.add(inst.url)
             return
         if probe is Probe.ANSWERED:
             self._failed[inst.url] = 0
+            if inst.url in self._refused:
+                self._refused.discard(inst.url)
+                if not inst.healthy:  # restarted: its back-off was for the dead process
+                    pool.mark_success(inst)
+                    log.warning(
+                        "%s instance %s answers again: back in rotation", pool.role, inst.url
+                    )
             if inst.stall.is_set():
                 inst.stall.clear()
                 log.warning("%s instance %s answers its health probe again", pool.role, inst.url)

@@ -133,3 +133,23 @@ async def test_a_client_that_leaves_while_the_instance_stalls_is_still_cancelled
     with pytest.raises(asyncio.CancelledError):
         await task
     assert upstreams.closed == ["a"]  # no retry for a client that is gone
+
+
+async def test_a_dead_instance_that_answers_again_is_back_without_waiting_its_backoff() -> None:
+    """Restarted: its refusals had doubled the back-off; the first answered probe ends it.
+    An instance whose failures were answers (5xx) keeps its back-off: it never refused."""
+    clock = [100.0]
+    pool = InstancePool("decode", ["http://a", "http://b"], clock=lambda: clock[0])
+    a, b = pool.instances
+    for _ in range(5):
+        pool.mark_failure(a)  # requests refused while it was down: 16 s back-off
+        pool.mark_failure(b)  # answered 5xx
+    behaviour = {"a": "refused", "b": "ok"}
+    prober = HealthProber([pool], SETTINGS)
+    async with _client(behaviour) as client:
+        await prober.probe_all(client)
+        assert pool.healthy() == []
+        behaviour["a"] = "ok"
+        await prober.probe_all(client)
+    assert pool.healthy() == [a] and a.consecutive_failures == 0
+    assert b.consecutive_failures == 5
