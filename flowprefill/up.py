@@ -46,6 +46,7 @@ from flowprefill.contracts import (
 from flowprefill.contracts.deployment import (
     DECODE_PORT,
     GATEWAY_PORT,
+    PREFILL_KV_PORT,
     PREFILL_PORT,
 )
 from flowprefill.contracts.engine import MAX_TP_SIZE, max_blocking_arg
@@ -121,8 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--port",
         type=int,
         default=GATEWAY_PORT,
-        help=f"gateway port; prefill instances listen from +{PREFILL_PORT - GATEWAY_PORT}, "
-        f"decode from +{DECODE_PORT - GATEWAY_PORT}",
+        help=f"gateway port; prefill instances listen from +{PREFILL_PORT - GATEWAY_PORT} "
+        f"(with --kv-transport http their KV hand-off ports from "
+        f"+{PREFILL_KV_PORT - GATEWAY_PORT}), decode from +{DECODE_PORT - GATEWAY_PORT}",
     )
     p.add_argument("--policy", default=Policy.S_EDF, type=name_arg(Policy), choices=list(Policy),
                    help="priority policy")  # fmt: skip
@@ -255,6 +257,7 @@ def plan_stack(
             host=LOOPBACK,
             kv_transport=args.kv_transport,
             advertise_host=LOOPBACK,
+            kv_port=args.port + (PREFILL_KV_PORT - GATEWAY_PORT) + i,
         )
         prefill_eps.append(Endpoint.at("prefill", LOOPBACK, port))
         children.append(Child(f"prefill-{i}", process, run_dir / "logs" / f"prefill-{i}.log"))

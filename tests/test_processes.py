@@ -24,6 +24,7 @@ from flowprefill.contracts.deployment import (
     GATEWAY_CONFIG_PATH,
     GATEWAY_PORT,
     POD_IP_ENV,
+    PREFILL_KV_PORT,
     PREFILL_PORT,
     SLO_DIR,
     SLO_TABLE_FILE,
@@ -163,8 +164,15 @@ def test_up_and_the_operator_render_the_same_processes(tmp_path: Path, transport
         assert getattr(local, field) == getattr(remote, field), field
     assert local.kv is not None and remote.kv is not None
     assert local.kv.transport == remote.kv.transport
-    if transport == "http":  # decode pulls from the address the prefill process advertises
-        assert "FLOWPREFILL_KV_ADVERTISE_URL" in _child_env(up["children"]["prefill"])
+    prefill = up["children"]["prefill"].process
+    kv_ports = {p["name"]: p["containerPort"] for p in op["containers"]["prefill"]["ports"]}
+    if transport == "http":  # decode pulls from the KV listener the prefill process advertises
+        assert prefill.kv_port == kv_ports.pop("kv") == PREFILL_KV_PORT
+        advertised = _child_env(up["children"]["prefill"])["FLOWPREFILL_KV_ADVERTISE_URL"]
+        assert advertised == f"http://{HOST}:{PREFILL_KV_PORT}"
+    else:  # decode reads the shared volume: no KV listener
+        assert prefill.kv_port is None
+    assert list(kv_ports) == ["http"]
 
 
 def test_a_tensor_parallel_instance_is_the_same_one_process_on_both_sides(

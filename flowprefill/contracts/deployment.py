@@ -13,7 +13,12 @@ from typing import Final
 
 GATEWAY_PORT: Final = 8000
 PREFILL_PORT: Final = 8100
+"""Prefill's API: ``/v1/prefill`` and ``DELETE /v1/kv/<id>`` (gateway), probes, /metrics."""
 DECODE_PORT: Final = 8200
+PREFILL_KV_PORT: Final = 8300
+"""Prefill's KV hand-off listener (``http`` transport only): ``GET|HEAD|DELETE
+/v1/kv/<id>``, for decode alone. A port of its own so that a NetworkPolicy can let decode
+pods, and nobody else, read the prompt-derived KV (docs/operator.md)."""
 
 HEALTH_PATH: Final = "/health"
 """Liveness of every process (vLLM's /health too)."""
@@ -24,7 +29,8 @@ DECODE_READY_PATH: Final = "/health"
 METRICS_PATH: Final = "/metrics"
 PREFILL_API_PATH: Final = "/v1/prefill"
 KV_HTTP_PATH: Final = "/v1/kv/"
-"""Where a prefill instance serves its hand-offs: ``GET|DELETE <source>/v1/kv/<id>``."""
+"""Where a prefill instance serves its hand-offs: ``GET|HEAD|DELETE <source>/v1/kv/<id>`` on
+its KV port (``source`` names it); ``DELETE`` also on its main port, for the gateway."""
 
 # HTTP headers between clients, the gateway and its upstreams.
 SLO_CLASS_HEADER: Final = "x-slo-class"
@@ -66,7 +72,8 @@ KV_CACHE_DIR_ENV: Final = "FLOWPREFILL_KV_CACHE_DIR"
 """Decode (http transport): local copies of pulled hand-offs when no config names one."""
 DEFAULT_KV_CACHE_DIR: Final = "/tmp/flowprefill-kv-cache"
 KV_ADVERTISE_URL_ENV: Final = "FLOWPREFILL_KV_ADVERTISE_URL"
-"""Prefill (http transport): the base URL decode pulls from (in a pod: the pod IP)."""
+"""Prefill (http transport): the base URL decode pulls from, on the KV port (in a pod:
+``http://<pod IP>:PREFILL_KV_PORT``)."""
 KERNELS_ENV: Final = "FLOWPREFILL_KERNELS"
 """Prefill: executor kernels when engine.json names none (``fast`` | ``reference``)."""
 MODEL_CACHE_ENV: Final = "FLOWPREFILL_MODEL_CACHE"

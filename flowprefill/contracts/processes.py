@@ -23,6 +23,7 @@ from flowprefill.contracts.deployment import (
     DECODE_READY_PATH,
     HEALTH_PATH,
     KV_ADVERTISE_URL_ENV,
+    PREFILL_KV_PORT,
     READY_PATH,
     VLLM_IDLE_SPIN_ENV,
 )
@@ -55,7 +56,7 @@ class Launcher:
 @dataclass(frozen=True)
 class ProcessSpec:
     """One process of a deployment: ``launcher + args``, the product's environment
-    (names from :mod:`flowprefill.contracts.deployment`), its port and probe paths."""
+    (names from :mod:`flowprefill.contracts.deployment`), its ports and probe paths."""
 
     role: Role
     launcher: tuple[str, ...]
@@ -64,6 +65,9 @@ class ProcessSpec:
     ready_path: str
     health_path: str = HEALTH_PATH
     env: Mapping[str, str] = field(default_factory=dict)
+    kv_port: int | None = None
+    """Prefill with the ``http`` KV transport: the port only decode reaches (hand-off
+    reads); None where the process has no such listener."""
 
     @property
     def argv(self) -> list[str]:
@@ -83,23 +87,30 @@ def prefill_process(
     host: str | None = None,
     kv_transport: KVTransport | None = None,
     advertise_host: str | None = None,
+    kv_port: int = PREFILL_KV_PORT,
 ) -> ProcessSpec:
     """``flowprefill serve-prefill``: every setting is in ``engine.json``
     (:class:`~flowprefill.contracts.engine.EngineConfig`), so the argv is only where that
-    file is and where to listen. With the ``http`` KV transport decode pulls hand-offs from
-    this process at ``http://<advertise_host>:<port>`` (in a pod: its IP, ``$(POD_IP)``)."""
+    file is and where to listen. With the ``http`` KV transport the process also listens on
+    ``kv_port`` (``--kv-port``), the only port that serves hand-off reads, and decode pulls
+    from ``http://<advertise_host>:<kv_port>`` (in a pod: its IP, ``$(POD_IP)``)."""
     env: dict[str, str] = {}
+    args = ["serve-prefill", "--config", engine_config_path, *_listen(host, port)]
+    served_kv_port = None
     if kv_transport is KVTransport.HTTP:
         if advertise_host is None:
             raise ValueError("the http KV transport needs the address decode reaches prefill at")
-        env[KV_ADVERTISE_URL_ENV] = f"http://{advertise_host}:{port}"
+        env[KV_ADVERTISE_URL_ENV] = f"http://{advertise_host}:{kv_port}"
+        args += ["--kv-port", str(kv_port)]
+        served_kv_port = kv_port
     return ProcessSpec(
         role=Role.PREFILL,
         launcher=launcher.flowprefill,
-        args=("serve-prefill", "--config", engine_config_path, *_listen(host, port)),
+        args=tuple(args),
         port=port,
         ready_path=READY_PATH,
         env=env,
+        kv_port=served_kv_port,
     )
 
 

@@ -142,19 +142,19 @@ class PrefillClient:
 
     def release(self, answer: PrefillAnswer) -> None:
         """Decode will not load this answer's KV hand-off: delete it through the prefill
-        instance that serves it (``source`` for the ``http`` transport, else the instance
-        that answered: it owns the shared directory) instead of leaving it to prefill's
-        age sweep, so it does not fill the disk. In the background; a failure only leaves
-        the file to the sweep."""
+        instance that answered (it wrote the file), on the port the gateway calls anyway —
+        not at ``source``, the KV listener (``http`` transport) only decode may reach —
+        instead of leaving it to prefill's age sweep, so it does not fill the disk. In the
+        background; a failure only leaves the file to the sweep."""
         _in_background(asyncio.create_task(self._release(answer)))
 
     async def _release(self, answer: PrefillAnswer) -> None:
         ref = await answer.hand_off()
         if ref is None:
             return
-        source = ref.source or answer.prefill_url
+        url = f"{answer.prefill_url}{KV_HTTP_PATH}{ref.handoff_id}"
         try:
-            await self.http.delete("prefill", f"{source}{KV_HTTP_PATH}{ref.handoff_id}")
+            await self.http.delete("prefill", url)
         except UpstreamError as e:
             log.debug("release of KV hand-off %s failed (%s); left to the sweep", ref.handoff_id, e)
 

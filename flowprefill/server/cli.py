@@ -11,6 +11,7 @@ from flowprefill.contracts.deployment import (
     DEFAULT_KV_DIR,
     KV_ADVERTISE_URL_ENV,
     KV_DIR_ENV,
+    PREFILL_KV_PORT,
     PREFILL_PORT,
 )
 from flowprefill.contracts.engine import max_blocking_arg
@@ -27,7 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="engine.json (flowprefill.contracts.EngineConfig)")
     p.add_argument("--model", help="override model_path (local dir or built-in name)")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=PREFILL_PORT)
+    p.add_argument("--port", type=int, default=PREFILL_PORT, help="the prefill API's port")
+    p.add_argument(
+        "--kv-port",
+        type=int,
+        default=PREFILL_KV_PORT,
+        help="with the http KV transport: the port decode pulls hand-offs from "
+        "(GET|HEAD|DELETE /v1/kv/<id>; not served on --port, so that a network policy can "
+        "open it to decode alone)",
+    )
     p.add_argument("--profile", help="override predictor_path (TTFT profile JSON)")
     # The KV flags override engine.json's "kv" section (for running a server by hand).
     p.add_argument(
@@ -44,9 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-advertise-url",
-        help="override kv.advertise_url: the base URL decode uses to reach this server (http "
-        f"transport); default ${KV_ADVERTISE_URL_ENV}, else http://<host>:<port> (a wildcard "
-        "host: the address the hostname resolves to, in a pod the pod IP)",
+        help="override kv.advertise_url: the base URL decode uses to reach this server's KV "
+        f"port (http transport); default ${KV_ADVERTISE_URL_ENV}, else http://<host>:<kv-port> "
+        "(a wildcard host: the address the hostname resolves to, in a pod the pod IP)",
     )
     p.add_argument(
         "--kv-max-age",
@@ -118,17 +127,19 @@ def build_engine(
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
     from rich.console import Console
 
     from flowprefill.backend import build_backend, model_config_of, quick_profile
     from flowprefill.predictor.model import TTFTPredictor
+    from flowprefill.server.kv_http import create_kv_app
+    from flowprefill.server.listeners import ClientLimits, listener, serve
     from flowprefill.server.prefill import create_app
     from flowprefill.tp.backend import TPBackend
-    from flowprefill.web.errors import BodySizeLimit
-    from flowprefill.web.limits import uvicorn_options
 
     config = resolve_config(args)
+    kv_http = config.kv is not None and config.kv.transport is KVTransport.HTTP
+    if kv_http and args.kv_port == args.port:
+        raise SystemExit(f"--kv-port must differ from --port (both {args.port})")
     backend = build_backend(config)
     tp = backend if isinstance(backend, TPBackend) else None
     try:
@@ -138,29 +149,31 @@ def run(args: argparse.Namespace) -> int:
             else quick_profile(backend, Console(stderr=True), model_name=config.model_path)
         )
         engine = build_engine(config, backend, predictor)
-        kv_sink = kv_handoff(config.kv, args.host, args.port, model_config_of(backend))
-        # /v1/kv/<id>: decode pulls hand-offs from it (http); the gateway deletes the ones
-        # decode will not load through it (both transports).
+        kv_sink = kv_handoff(config.kv, args.host, args.kv_port, model_config_of(backend))
+        # The gateway deletes hand-offs decode will not load through the main port (both
+        # transports); decode reads (http) on the KV port alone.
         kv_store = kv_sink.transport if kv_sink is not None else None
-        app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store)
+        kv_url = kv_sink.source if kv_sink is not None else None
+        app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store, kv_url=kv_url)
         log.info(
-            "prefill instance: %s, granularity %s, policy %s, tp_size %d, port %d",
+            "prefill instance: %s, granularity %s, policy %s, tp_size %d, port %d%s",
             config.model_path,
             config.granularity,
             config.policy,
             config.tp_size,
             args.port,
+            f", KV port {args.kv_port}" if kv_http else "",
         )
-        server = uvicorn.Server(
-            uvicorn.Config(
-                BodySizeLimit(app, int(args.max_body_mb * 2**20), args.body_timeout),
-                host=args.host,
-                port=args.port,
-                timeout_graceful_shutdown=int(args.drain_timeout),
-                log_level="info",
-                **uvicorn_options(args.header_timeout),
-            )
+        limits = ClientLimits(
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            body_timeout_s=args.body_timeout,
+            header_timeout_s=args.header_timeout,
+            drain_timeout_s=args.drain_timeout,
         )
+        server = listener(app, args.host, args.port, limits)
+        kv_server = None
+        if kv_http and kv_store is not None:
+            kv_server = listener(create_kv_app(kv_store), args.host, args.kv_port, limits)
         if tp is not None:
 
             def rank_failed(error: BaseException) -> None:
@@ -170,24 +183,25 @@ def run(args: argparse.Namespace) -> int:
                 server.should_exit = True
 
             tp.group.on_failure(rank_failed)
-        server.run()
+        serve(server, kv_server)
     finally:
         backend.close()
     return 1 if tp is not None and tp.group.failure is not None else 0
 
 
 def kv_handoff(
-    kv: KVHandoffSettings | None, host: str, port: int, model_config: Any
+    kv: KVHandoffSettings | None, host: str, kv_port: int, model_config: Any
 ) -> DirectorySink | None:
     """Where this instance writes KV hand-offs for decode, or None (no ``kv`` settings:
-    decode recomputes)."""
+    decode recomputes). With the ``http`` transport the answers name the KV listener
+    (``kv_port`` on ``host``, unless an advertised URL says otherwise) as their source."""
     if kv is None:
         return None
     from flowprefill.server.kv_sink import advertise_url, directory_sink
 
     source = None
     if kv.transport is KVTransport.HTTP:
-        source = advertise_url(host, port, kv.advertise_url)
+        source = advertise_url(host, kv_port, kv.advertise_url)
         if host in ("0.0.0.0", "::") and "://127." in source:
             log.warning(
                 "KV hand-offs advertised as %s, which other machines cannot reach: set "

@@ -6,8 +6,9 @@ answers with the ``kv_transfer_params`` decode needs to find it:
 
 * ``shared_dir`` transport: decode reads the same directory (a shared volume).
 * ``http`` transport: the directory is this instance's own; the prefill server serves it
-  at ``GET /v1/kv/<id>`` and the parameters carry ``source`` = this instance's advertised
-  base URL, from which decode pulls the file.
+  at ``GET /v1/kv/<id>`` on its KV listener (:mod:`flowprefill.server.kv_http`) and the
+  parameters carry ``source`` = that listener's advertised base URL, from which decode
+  pulls the file.
 
 Files a decode never consumed (client gone) are swept after ``max_age_s``.
 """
@@ -77,10 +78,11 @@ def directory_sink(
 
 
 def advertise_url(host: str, port: int, explicit: str | None = None) -> str:
-    """The base URL decode instances use to pull this instance's hand-offs.
+    """The base URL decode instances use to pull this instance's hand-offs; ``port`` is
+    the KV listener's.
 
     ``explicit`` (``--kv-advertise-url``), else ``$FLOWPREFILL_KV_ADVERTISE_URL`` (on
-    Kubernetes: ``http://$(POD_IP):<port>`` from the downward API), else ``http://<host>:
+    Kubernetes: ``http://$(POD_IP):<KV port>`` from the downward API), else ``http://<host>:
     <port>`` — for a wildcard bind host (0.0.0.0, ::) the address this machine's hostname
     resolves to (in a pod, /etc/hosts maps it to the pod IP).
     """

@@ -16,10 +16,10 @@ Endpoints:
   (:class:`~flowprefill.contracts.prefill_api.PrefillLoad`: tokens still to prefill and the
   engine's predicted time for them); every prefill answer carries the same in its ``load``
   field, which the gateway's admission reads (:mod:`flowprefill.gateway.admission`).
-* ``GET /v1/kv/{id}``, ``DELETE /v1/kv/{id}`` — with the ``http`` KV transport: the
-  hand-off file (streamed; ``Range`` requests answered, so decode reads the header alone)
-  and its removal once decode is done. 404 when it is absent (never written, consumed or
-  swept), 400 for an id that is not a valid hand-off id.
+* ``DELETE /v1/kv/{id}`` — the gateway releases a hand-off decode will not load (both
+  transports). Reads of hand-offs are not served here: with the ``http`` transport decode
+  pulls them from the instance's KV listener (:mod:`flowprefill.server.kv_http`, its own
+  port, so that only decode pods need reach it); ``GET`` here answers 405 naming it.
 * ``GET /health`` (process alive), ``GET /ready`` (engine accepting; 503 while draining),
   ``GET /metrics`` (Prometheus text format).
 
@@ -33,15 +33,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
-from flowprefill.contracts.deployment import KV_HTTP_PATH, PREFILL_API_PATH
+from flowprefill.contracts.deployment import PREFILL_API_PATH
 from flowprefill.contracts.prefill_api import (
     LOAD_PATH,
     KVHandoffEvent,
@@ -53,10 +52,10 @@ from flowprefill.engine import PrefillEngine
 from flowprefill.errors import (
     EngineClosedError,
     InvalidRequestError,
-    KVHandoffError,
     TaskCancelledError,
 )
 from flowprefill.kv import SharedDirTransport
+from flowprefill.server.kv_http import add_delete_route, add_read_refusal
 from flowprefill.server.kv_sink import KVSink
 from flowprefill.server.load import backlog
 from flowprefill.web.disconnect import ClientDisconnected, unless_disconnected
@@ -67,17 +66,15 @@ from flowprefill.web.sse import DONE, MEDIA_TYPE, sse_event
 log = logging.getLogger(__name__)
 
 
-class _KVFileResponse(FileResponse):
-    chunk_size = 1 << 20  # hand-offs are MiBs; 64 KiB sends cost more event-loop turns
-
-
 def create_app(
     engine: PrefillEngine,
     kv_sink: KVSink | None = None,
     kv_store: SharedDirTransport | None = None,
+    kv_url: str | None = None,
 ) -> FastAPI:
-    """``kv_store``: the directory ``kv_sink`` writes, served at ``/v1/kv/{id}`` (the
-    ``http`` transport); None serves nothing (``shared_dir``: decode reads the volume)."""
+    """``kv_store``: the directory ``kv_sink`` writes, whose hand-offs the gateway deletes
+    at ``DELETE /v1/kv/{id}``; None serves no KV route. ``kv_url``: the base URL of the
+    instance's KV listener (``http`` transport), named by the 405 a read here gets."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -169,7 +166,8 @@ def create_app(
         return backlog(engine.scheduler)
 
     if kv_store is not None:
-        _add_kv_routes(app, kv_store)
+        add_delete_route(app, kv_store)
+        add_read_refusal(app, kv_url)
 
     add_probe_routes(
         app,
@@ -182,39 +180,3 @@ def create_app(
 def _why_not_ready(engine: PrefillEngine) -> str:
     failure = engine.failure
     return "draining" if failure is None else f"failed: {failure}"
-
-
-def _add_kv_routes(app: FastAPI, store: SharedDirTransport) -> None:
-    def locate(handoff_id: str) -> tuple[str, os.stat_result] | JSONResponse:
-        try:
-            path = store.path(handoff_id)
-        except KVHandoffError as e:
-            return error_response(400, str(e), param="handoff_id")
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            return error_response(
-                404,
-                f"no KV hand-off {handoff_id!r} on this prefill instance (never written, "
-                "already consumed, or swept)",
-            )
-        return str(path), st
-
-    @app.get(KV_HTTP_PATH + "{handoff_id}")
-    async def get_kv(handoff_id: str) -> Response:
-        found = locate(handoff_id)
-        if isinstance(found, JSONResponse):
-            return found
-        path, st = found
-        # stat_result given: no second stat. A sweep between here and the open (files
-        # older than the sweep age only) drops the connection, which decode reports.
-        return _KVFileResponse(path, stat_result=st, media_type="application/octet-stream")
-
-    @app.delete(KV_HTTP_PATH + "{handoff_id}")
-    async def delete_kv(handoff_id: str) -> Any:
-        found = locate(handoff_id)
-        if isinstance(found, JSONResponse):
-            return found
-        if not store.delete(handoff_id):  # deleted concurrently
-            return error_response(404, f"no KV hand-off {handoff_id!r} on this prefill instance")
-        return {"handoff_id": handoff_id, "deleted": True}

@@ -1,9 +1,10 @@
-"""Hand-offs decode will never load are deleted where prefill serves them.
+"""Hand-offs decode will never load are deleted through the prefill instance that wrote
+them, on the port the gateway calls.
 
 A real gateway between stub upstreams: prefill streams its first token and then hand-off
-parameters naming itself as ``source`` (http transport) or no source (shared_dir: the
-instance that answered owns the directory); decode is a stub vLLM. Left alone such files
-would stay on disk until the age sweep.
+parameters naming its KV listener as ``source`` (http transport: a port of its own, which
+only decode may reach) or no source (shared_dir); decode is a stub vLLM. Left alone such
+files would stay on disk until the age sweep.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Upstreams:
         self.decode_delay_s = 0.0
         self.prefilled: list[str] = []
         self.deleted: list[str] = []
+        self.deleted_at_source: list[str] = []
         self.decoded: list[dict[str, Any]] = []
         self.event = threading.Event()
 
@@ -91,14 +93,26 @@ def upstream_app(u: Upstreams) -> FastAPI:
     return app
 
 
+def kv_listener_app(u: Upstreams) -> FastAPI:
+    """Prefill's KV listener (``source``): decode's, never the gateway's to call."""
+    app = FastAPI()
+
+    @app.delete("/v1/kv/{handoff_id}")
+    async def delete(handoff_id: str) -> Any:
+        u.deleted_at_source.append(handoff_id)
+        return {"deleted": True}
+
+    return app
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Upstreams, Any]]:
     tmp = tmp_path_factory.mktemp("release")
     model_dir = named_model_dir("tiny-llama", cache_dir=tmp / "models")
     (tmp / "slo.json").write_text(json.dumps(SLO_TABLE))
     u = Upstreams()
-    with serve_in_thread(upstream_app(u)) as url:
-        u.source = url
+    with serve_in_thread(upstream_app(u)) as url, serve_in_thread(kv_listener_app(u)) as kv:
+        u.source = kv
         endpoint = Endpoint(pool="p", host="h", port=1, url=url)
         config = GatewayConfig(
             service="t",
@@ -131,6 +145,7 @@ def test_first_token_eos_releases_the_hand_off(gateway: tuple[str, Upstreams, An
     r = _complete(gw)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
     assert _deleted(u, r.json()["id"])
+    assert u.deleted_at_source == []  # not at the KV listener the parameters name
 
 
 def test_failed_decode_releases_it_and_so_does_a_finished_one(

@@ -32,6 +32,7 @@ from flowprefill.kv import (
 )
 from flowprefill.models import build_named
 from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.server.kv_http import create_kv_app
 from flowprefill.server.kv_sink import advertise_url, directory_sink
 from flowprefill.server.prefill import create_app
 from tests.helpers import serve_in_thread
@@ -46,12 +47,18 @@ def executor() -> Iterator[PreemptibleExecutor]:
 
 @pytest.fixture
 def prefill(executor: PreemptibleExecutor, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """The real prefill server with ``--kv-transport http`` wiring."""
+    """The real prefill server with ``--kv-transport http`` wiring: its main app, and its KV
+    listener's app on a second port, which the hand-offs name as their source."""
     engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
     sink = directory_sink(tmp_path / "prefill-kv", executor.model.config)
-    with serve_in_thread(create_app(engine, kv_sink=sink, kv_store=sink.transport)) as url:
-        sink.source = url  # the port is known only once the server listens
-        yield {"url": url, "sink": sink, "store": sink.transport}
+    with (
+        serve_in_thread(create_kv_app(sink.transport)) as kv_url,
+        serve_in_thread(
+            create_app(engine, kv_sink=sink, kv_store=sink.transport, kv_url=kv_url)
+        ) as url,
+    ):
+        sink.source = kv_url  # the port is known only once the server listens
+        yield {"url": url, "kv_url": kv_url, "sink": sink, "store": sink.transport}
 
 
 def ids(n: int, k: int = 7) -> list[int]:
@@ -78,7 +85,7 @@ def test_pulled_handoff_is_byte_identical_and_reads_the_same(
     prefill: dict[str, Any], executor: PreemptibleExecutor, tmp_path: Path
 ) -> None:
     ref = prefill_ref(prefill, "cmpl-1", 50)
-    assert ref == HandoffRef("cmpl-1", 50, source=prefill["url"])
+    assert ref == HandoffRef("cmpl-1", 50, source=prefill["kv_url"])
     served = prefill["store"].path("cmpl-1")
     transport = pull(tmp_path)
     # Scheduler side: the header alone, by range request; nothing is stored locally.
@@ -107,15 +114,22 @@ def test_header_fetch_reads_only_the_header(prefill: dict[str, Any], tmp_path: P
     n = int.from_bytes(r.content[:8], "little")
     assert size > 65536 > 8 + n  # the whole header fits in the first probe
     assert httpx.get(f"{ref.source}/v1/kv/big").content == prefill["store"].path("big").read_bytes()
+    head = httpx.head(f"{ref.source}/v1/kv/big")
+    assert head.status_code == 200 and int(head.headers["content-length"]) == size
+    assert head.content == b""
+    # The gateway-facing port does not serve the bytes, whatever the request.
+    for method in ("GET", "HEAD"):
+        r = httpx.request(method, f"{prefill['url']}/v1/kv/big", headers={"Range": "bytes=0-9"})
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE"
 
 
 def test_missing_handoff_is_404_and_not_found(prefill: dict[str, Any], tmp_path: Path) -> None:
-    r = httpx.get(f"{prefill['url']}/v1/kv/never-written")
+    r = httpx.get(f"{prefill['kv_url']}/v1/kv/never-written")
     assert r.status_code == 404
     err = r.json()["error"]
     assert err["type"] == "not_found_error" and "never-written" in err["message"]
     transport = pull(tmp_path)
-    ref = HandoffRef("never-written", source=prefill["url"])
+    ref = HandoffRef("never-written", source=prefill["kv_url"])
     with pytest.raises(KVNotFoundError, match=r"HTTP 404: no KV hand-off 'never-written'"):
         transport.header(ref)
     with pytest.raises(KVNotFoundError, match="HTTP 404"):
@@ -127,12 +141,13 @@ def test_missing_handoff_is_404_and_not_found(prefill: dict[str, Any], tmp_path:
 def test_bad_ids_are_refused_on_both_sides(
     prefill: dict[str, Any], tmp_path: Path, bad: str
 ) -> None:
-    for method in ("GET", "DELETE"):
-        r = httpx.request(method, f"{prefill['url']}/v1/kv/{bad}")
+    for url, method in [(prefill["kv_url"], "GET"), (prefill["kv_url"], "DELETE"),
+                        (prefill["url"], "DELETE")]:  # fmt: skip
+        r = httpx.request(method, f"{url}/v1/kv/{bad}")
         assert r.status_code == 400, r.text
         assert "invalid hand-off id" in r.json()["error"]["message"]
     with pytest.raises(KVHandoffError, match="invalid hand-off id"):
-        pull(tmp_path).header(HandoffRef(bad, source=prefill["url"]))
+        pull(tmp_path).header(HandoffRef(bad, source=prefill["kv_url"]))
 
 
 def test_ref_without_source_is_a_clear_error(tmp_path: Path) -> None:

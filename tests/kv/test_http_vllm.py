@@ -27,6 +27,7 @@ from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.local_decode import decode_env, decode_spec
 from flowprefill.models import load_model
 from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.server.kv_http import create_kv_app
 from flowprefill.server.kv_sink import directory_sink
 from flowprefill.server.prefill import create_app
 from tests.helpers import free_port, serve_in_thread, silent_server
@@ -64,15 +65,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             executor = stack.enter_context(PreemptibleExecutor(model, granularity="operator"))
             engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
             sink = directory_sink(prefill_dir, model.config)
+            # As serve-prefill runs it: the API, and the KV listener decode pulls from.
+            kv_url = stack.enter_context(serve_in_thread(create_kv_app(sink.transport)))
             prefill_url = stack.enter_context(
-                serve_in_thread(create_app(engine, kv_sink=sink, kv_store=sink.transport))
+                serve_in_thread(
+                    create_app(engine, kv_sink=sink, kv_store=sink.transport, kv_url=kv_url)
+                )
             )
-            sink.source = prefill_url
+            sink.source = kv_url
             t0 = time.monotonic()
             wait_vllm(decode_url, proc, log_path)
             yield {
                 "decode": decode_url,
                 "prefill": prefill_url,
+                "kv": kv_url,
                 "model": str(model_dir),
                 "prefill_dir": prefill_dir,
                 "cache_dir": cache_dir,
@@ -145,7 +151,7 @@ def test_pulled_kv_gives_vllms_own_tokens(stack: dict[str, Any], n: int) -> None
     rid = f"pull-{n}"
     first, params = do_prefill(stack, rid, ids)
     ref = HandoffRef.from_params(params)
-    assert ref == HandoffRef(rid, n, source=stack["prefill"])
+    assert ref == HandoffRef(rid, n, source=stack["kv"])
     assert (stack["prefill_dir"] / f"{rid}.kv.safetensors").is_file()
     # Hand-off first (vLLM's prefix cache is still cold for this prompt), then vLLM alone.
     disagg = complete(stack, [*ids, first], MAX_TOKENS - 1, params)
@@ -159,9 +165,9 @@ def test_pulled_kv_gives_vllms_own_tokens(stack: dict[str, Any], n: int) -> None
     }
     log = stack["log"].read_text()
     assert f"loaded {n} prompt tokens [0, {n}) of hand-off {rid}" in log
-    assert f"(pulled from {stack['prefill']})" in log
+    assert f"(pulled from {stack['kv']})" in log
     # Clean-up, a grace period (DELETE_GRACE_S) after the request finished: decode's local
-    # copy, then the prefill's file through the background DELETE.
+    # copy, then the prefill's file through the background DELETE (on the KV port).
     assert wait_gone(stack["cache_dir"] / f"{rid}.kv.safetensors")
     assert wait_gone(stack["prefill_dir"] / f"{rid}.kv.safetensors")
 

@@ -26,7 +26,12 @@ from flowprefill_operator.builders.common import ROLE_LABEL
 from flowprefill_operator.models import ServingPoolSpec, SLOClassSpec
 from flowprefill_operator.settings import OperatorSettings
 
-from flowprefill.contracts.deployment import DECODE_PORT, GATEWAY_PORT, PREFILL_PORT
+from flowprefill.contracts.deployment import (
+    DECODE_PORT,
+    GATEWAY_PORT,
+    PREFILL_KV_PORT,
+    PREFILL_PORT,
+)
 from tests.operator.chart import (
     CHART,
     RELEASE_NAMESPACE,
@@ -64,14 +69,25 @@ def example_children(namespace: str) -> list[Manifest]:
     ]
 
 
-def pods(namespace: str) -> dict[str, tuple[Pod, int]]:
-    """role -> (a pod of that role as the builders label it, its container port)."""
+def container_ports(namespace: str) -> dict[str, dict[str, int]]:
+    """role -> {port name: container port}, as the builders make the example's pods."""
     out = {}
     for dep in (m for m in example_children(namespace) if m["kind"] == "Deployment"):
         template = dep["spec"]["template"]
-        labels = template["metadata"]["labels"]
-        (port,) = [p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]]
-        out[labels[ROLE_LABEL]] = (Pod(namespace, dict(labels)), port)
+        role = template["metadata"]["labels"][ROLE_LABEL]
+        out[role] = {p["name"]: p["containerPort"] for c in template["spec"]["containers"]
+                     for p in c["ports"]}  # fmt: skip
+    return out
+
+
+def pods(namespace: str) -> dict[str, tuple[Pod, int]]:
+    """role -> (a pod of that role as the builders label it, its API port)."""
+    out = {}
+    ports = container_ports(namespace)
+    for dep in (m for m in example_children(namespace) if m["kind"] == "Deployment"):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        role = labels[ROLE_LABEL]
+        out[role] = (Pod(namespace, dict(labels)), ports[role]["http"])
     assert set(out) == {"gateway", "prefill", "decode"}
     return out
 
@@ -88,12 +104,16 @@ API_SERVER = Pod("default", {"component": "apiserver"}, ip="10.96.0.1")
 
 def test_ports_and_labels_agree_with_the_contracts_and_builders() -> None:
     nps = {p["metadata"]["name"].rsplit("-", 1)[1]: p for p in policies(*NAMESPACED)}
+    named = container_ports("team-a")
+    # The example's pools hand KV off over http: prefill pods listen for decode on a port
+    # of their own, the contracts' (the builders and the chart both use it).
+    assert named["prefill"] == {"http": PREFILL_PORT, "kv": PREFILL_KV_PORT}
     for role, (pod, container_port) in pods("team-a").items():
         assert container_port == PORTS[role]  # builders use the contracts' ports
         selecting = [n for n, p in nps.items() if selects(p["spec"]["podSelector"], pod.labels)]
         assert selecting == [role], f"{role} pods are selected by {selecting}"
         ingress_ports = {pt["port"] for r in nps[role]["spec"]["ingress"] for pt in r["ports"]}
-        assert ingress_ports == {PORTS[role]}, role
+        assert ingress_ports == set(named[role].values()), role
     selector = nps["gateway"]["spec"]["podSelector"]["matchLabels"]
     assert selector == {"app.kubernetes.io/managed-by": MANAGED_BY, ROLE_LABEL: "gateway"}
 
@@ -111,14 +131,23 @@ def test_who_may_reach_whom_in_namespaced_mode() -> None:
     def ok(src: Pod, dst: Pod, port: int) -> bool:
         return allowed(nps, src, dst, port)
 
-    # The request path, and KV hand-offs pulled by decode from prefill.
+    kv_port = container_ports("team-a")["prefill"]["kv"]
+    # The request path: the gateway calls prefill's API port (/v1/prefill, and DELETE
+    # /v1/kv/<id> of hand-offs decode will not load) and decode.
     assert ok(CLIENT, gw, gw_port)
     assert ok(gw, prefill, prefill_port) and ok(gw, decode, decode_port)
-    assert ok(decode, prefill, prefill_port)
-    # Nobody else reaches prefill (whose port also serves GET /v1/kv/<id>) or decode.
-    for src in (CLIENT, stranger, operator, b["gateway"][0], b["decode"][0]):
-        assert not ok(src, prefill, prefill_port), src
-        assert not ok(src, decode, decode_port), src
+    # KV hand-offs (prompt-derived data) are read on prefill's KV port, by decode alone:
+    # not even the gateway reaches it; decode, which only pulls (and deletes what it
+    # loaded) there, does not reach prefill's API port.
+    assert ok(decode, prefill, kv_port)
+    assert not ok(gw, prefill, kv_port)
+    assert not ok(decode, prefill, prefill_port)
+    # Nobody else reaches prefill or decode.
+    for src in (CLIENT, stranger, operator, PROMETHEUS, b["gateway"][0], b["decode"][0]):
+        assert not ok(src, prefill, kv_port), src
+        if src is not PROMETHEUS:
+            assert not ok(src, prefill, prefill_port), src
+            assert not ok(src, decode, decode_port), src
     assert not ok(prefill, decode, decode_port)
     # Metrics: Prometheus everywhere, the operator at the gateways (and only there).
     for dst, port in (a["gateway"], a["prefill"], a["decode"]):
@@ -172,11 +201,14 @@ def test_values_tighten_the_defaults() -> None:
     a = pods("team-a")
     gw, gw_port = a["gateway"]
     prefill, prefill_port = a["prefill"]
+    kv_port = container_ports("team-a")["prefill"]["kv"]
     operator = operator_pod(docs)
     assert allowed(nps, CLIENT, gw, gw_port)  # inside the CIDR
     assert not allowed(nps, Pod("apps", {}, ip="10.1.0.5"), gw, gw_port)
     assert allowed(nps, operator, gw, gw_port)  # the operator still scrapes
-    assert not allowed(nps, a["decode"][0], prefill, prefill_port)  # no KV over http
+    for port in (kv_port, prefill_port):  # no KV over http: decode reaches no prefill port
+        assert not allowed(nps, a["decode"][0], prefill, port)
+    assert not allowed(nps, gw, prefill, kv_port)
     assert allowed(nps, gw, prefill, prefill_port)
     assert not allowed(nps, PROMETHEUS, prefill, prefill_port)
     assert allowed(nps, operator, API_SERVER, 443)
@@ -250,6 +282,7 @@ def test_chart_ports_are_the_contracts(repo_root: Path) -> None:
         ("gatewayPort", GATEWAY_PORT),
         ("prefillPort", PREFILL_PORT),
         ("decodePort", DECODE_PORT),
+        ("prefillKvPort", PREFILL_KV_PORT),
     ):
         assert f'define "flowprefill.{name}" -}}}}{port}{{{{' in helpers, name
     assert (repo_root / "charts" / "flowprefill") == CHART

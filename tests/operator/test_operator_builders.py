@@ -188,6 +188,9 @@ def test_shared_dir_kv_handoff_mounts_the_claim_in_both_roles() -> None:
         if spec.role == "prefill":
             kv = build_engine_config(spec).kv
             assert kv is not None and (kv.dir, kv.max_age_s) == ("/kv", 600)
+            # Decode reads the volume: no KV listener, no port for it.
+            assert "--kv-port" not in command
+            assert [pt["name"] for pt in pod["containers"][0]["ports"]] == ["http"]
         else:
             assert _kv_config(command) == {"shared_storage_path": "/kv"}
 
@@ -213,8 +216,18 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
     assert env.index("POD_IP") < env.index("FLOWPREFILL_KV_ADVERTISE_URL")
     by_name = {e["name"]: e for e in container["env"]}
     assert by_name["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert by_name["FLOWPREFILL_KV_ADVERTISE_URL"]["value"] == "http://$(POD_IP):8100"
-    assert container["ports"][0]["containerPort"] == 8100
+    # Decode pulls from the pod's KV port, not its API port (which the gateways reach):
+    # serve-prefill listens there, the pod names it, and the hand-offs advertise it.
+    assert by_name["FLOWPREFILL_KV_ADVERTISE_URL"]["value"] == "http://$(POD_IP):8300"
+    assert container["command"][-2:] == ["--kv-port", "8300"]
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8100, "protocol": "TCP"},
+        {"name": "kv", "containerPort": 8300, "protocol": "TCP"},
+    ]
+    # The pool's Service stays the API's: decode reaches the pod by its IP, not the Service.
+    (service,) = by_kind(build_pool_children(P.__class__(P.name, "ns", "u", p), SETTINGS),
+                         "Service")  # fmt: skip
+    assert [pt["port"] for pt in service["spec"]["ports"]] == [8100]
 
     decode = _pod(d)
     container = decode["containers"][0]

@@ -1,6 +1,6 @@
 """``serve-prefill``'s KV hand-off wiring: which directory, what the answer advertises, and
-that ``/v1/kv/<id>`` is served for both transports (the gateway deletes hand-offs decode
-will not load through it)."""
+that ``DELETE /v1/kv/<id>`` is served on the main port for both transports (the gateway
+deletes hand-offs decode will not load through it) while reads are not."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flowprefill.contracts import EngineConfig
+from flowprefill.contracts.deployment import PREFILL_KV_PORT
 from flowprefill.engine import PrefillEngine
 from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.models import load_model, named_model_dir
@@ -29,7 +30,8 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_no_kv_settings_means_no_handoff() -> None:
     args = _args()
-    assert kv_handoff(resolve_config(args).kv, args.host, args.port, model_config=None) is None
+    assert args.kv_port == PREFILL_KV_PORT
+    assert kv_handoff(resolve_config(args).kv, args.host, args.kv_port, model_config=None) is None
 
 
 @pytest.mark.parametrize("transport", ["shared_dir", "http"])
@@ -39,24 +41,31 @@ def test_handoffs_are_written_and_deletable_through_the_server(
     torch.manual_seed(0)
     model = load_model(named_model_dir("tiny-llama", cache_dir=tmp_path / "models"))
     argv = ["--kv-dir", str(tmp_path / "kv"), "--kv-transport", transport]
-    argv += ["--host", "127.0.0.1", "--port", "8123"]
+    argv += ["--host", "127.0.0.1", "--port", "8123", "--kv-port", "8124"]
     args = _args(*argv)
-    sink = kv_handoff(resolve_config(args).kv, args.host, args.port, model.config)
+    sink = kv_handoff(resolve_config(args).kv, args.host, args.kv_port, model.config)
     assert sink is not None and sink.transport.root == tmp_path / "kv"
     with PreemptibleExecutor(model, granularity="operator") as executor:
         engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
-        app = create_app(engine, kv_sink=sink, kv_store=sink.transport)
+        app = create_app(engine, kv_sink=sink, kv_store=sink.transport, kv_url=sink.source)
         with serve_in_thread(app) as url:
             body = {"request_id": "w1", "prompt_token_ids": list(range(1, 40))}
             r = httpx.post(f"{url}/v1/prefill", json={**body, "ttft_slo_s": 60.0})
             assert r.status_code == 200, r.text
             params = r.json()["kv_transfer_params"]["flowprefill"]
             assert params["handoff_id"] == "w1"
-            # http advertises where decode pulls from; shared_dir names no source.
+            # http advertises the KV listener decode pulls from; shared_dir names no source.
             assert params.get("source") == (
-                "http://127.0.0.1:8123" if transport == "http" else None
+                "http://127.0.0.1:8124" if transport == "http" else None
             )
             assert (tmp_path / "kv" / "w1.kv.safetensors").is_file()
+            # Reads are not served on the main port; the answer says where they are.
+            for method in ("GET", "HEAD"):
+                r = httpx.request(method, f"{url}/v1/kv/w1")
+                assert r.status_code == 405 and r.headers["allow"] == "DELETE", method
+            message = httpx.get(f"{url}/v1/kv/w1").json()["error"]["message"]
+            where = "http://127.0.0.1:8124/v1/kv/" if transport == "http" else "shared_dir"
+            assert where in message, message
             assert httpx.delete(f"{url}/v1/kv/w1").json() == {"handoff_id": "w1", "deleted": True}
             assert not (tmp_path / "kv" / "w1.kv.safetensors").exists()
             assert httpx.delete(f"{url}/v1/kv/w1").status_code == 404

@@ -88,11 +88,13 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{/* Ports of the pods the operator creates: flowprefill/contracts/deployment.py
-(GATEWAY_PORT, PREFILL_PORT, DECODE_PORT); a test checks the two agree. Each serves its
-API and /metrics on this one port. */}}
+(GATEWAY_PORT, PREFILL_PORT, DECODE_PORT, PREFILL_KV_PORT); a test checks the two agree.
+Each serves its API and /metrics on its one port; prefill pods with the http KV transport
+also serve KV hand-offs to decode on prefillKvPort. */}}
 {{- define "flowprefill.gatewayPort" -}}8000{{- end -}}
 {{- define "flowprefill.prefillPort" -}}8100{{- end -}}
 {{- define "flowprefill.decodePort" -}}8200{{- end -}}
+{{- define "flowprefill.prefillKvPort" -}}8300{{- end -}}
 
 {{/* Namespaces that get the workload NetworkPolicies: the watched ones in namespaced mode;
 networkPolicy.namespaces (else the release namespace) in cluster mode, where the chart

@@ -137,6 +137,20 @@ def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
     )
 
 
+KV_PORT_NAME = "kv"
+
+
+def container_ports(process: ProcessSpec) -> list[dict[str, Any]]:
+    """``http`` (the API, probes, /metrics), and a prefill pod's ``kv`` port where decode
+    pulls hand-offs (``http`` transport): a port of its own, which the chart's
+    NetworkPolicy opens to decode pods alone. Not in the pool's Service: decode reaches
+    the pod that wrote a hand-off by the address in the hand-off (``$(POD_IP)``)."""
+    ports = [{"name": "http", "containerPort": process.port, "protocol": "TCP"}]
+    if process.kv_port is not None:
+        ports.append({"name": KV_PORT_NAME, "containerPort": process.kv_port, "protocol": "TCP"})
+    return ports
+
+
 def process_env(process: ProcessSpec) -> list[dict[str, Any]]:
     """The process's environment as container env; a prefill pod advertises its own IP
     (the Service name would land on any replica), so POD_IP comes first for $(POD_IP)."""
@@ -234,7 +248,7 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
         "image": image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": process.argv,
-        "ports": [{"name": "http", "containerPort": process.port, "protocol": "TCP"}],
+        "ports": container_ports(process),
         "env": [*SCRATCH_ENV, *process_env(process)],
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
