@@ -208,3 +208,32 @@ def test_slo_table_file_replaces_the_scaled_paper_table(tmp_path: Path) -> None:
         seconds.write_text(bad)
         with pytest.raises(FlowPrefillError, match="--slo-table"):
             load_slo_table(seconds)
+
+
+@pytest.mark.parametrize("transport", ["http", "shared_dir"])
+def test_every_prefill_instance_gets_its_own_kv_port_with_http(
+    tmp_path: Path, transport: str
+) -> None:
+    """With ``--kv-transport http`` each prefill instance listens for decode on a KV port
+    of its own (``--port`` + PREFILL_KV_PORT - GATEWAY_PORT + i) and advertises it; no
+    port of the stack is used twice. shared_dir runs no KV listener."""
+    from flowprefill.contracts.deployment import (
+        GATEWAY_PORT,
+        KV_ADVERTISE_URL_ENV,
+        PREFILL_KV_PORT,
+    )
+
+    children = _children(
+        tmp_path, "--port", "9000", "--prefill", "3", "--decode", "2", "--kv-transport", transport
+    )
+    prefill = [children[f"prefill-{i}"].process for i in range(3)]
+    if transport == "http":
+        first = 9000 + PREFILL_KV_PORT - GATEWAY_PORT
+        assert [p.kv_port for p in prefill] == [first, first + 1, first + 2]
+        for p in prefill:
+            assert p.args[p.args.index("--kv-port") + 1] == str(p.kv_port)
+            assert p.env[KV_ADVERTISE_URL_ENV] == f"http://127.0.0.1:{p.kv_port}"
+    else:
+        assert all(p.kv_port is None and "--kv-port" not in p.args for p in prefill)
+    ports = [c.process.port for c in children.values()] + [p.kv_port for p in prefill if p.kv_port]
+    assert len(ports) == len(set(ports)), ports
