@@ -1,14 +1,16 @@
-"""``flowprefill up`` under faults: a killed prefill or gateway process is restarted and
-traffic returns to it; requests in flight on a killed prefill are retried on the other
-instance (nothing had reached the client), so none fails."""
+"""``flowprefill up`` under faults: a killed prefill, decode or gateway process is restarted
+and traffic returns to it; requests in flight on a killed prefill are retried on the other
+instance (nothing had reached the client), so none fails; those on a killed decode get a
+clear error, and none of their KV hand-offs is left on disk."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,13 +18,13 @@ import httpx
 import psutil
 import pytest
 
-from flowprefill.contracts.deployment import GATEWAY_PORT, PREFILL_PORT
+from flowprefill.contracts.deployment import DECODE_PORT, GATEWAY_PORT, PREFILL_PORT
 from flowprefill.contracts.metrics import PREFILL_REQUESTS
 from tests.helpers import UpProcess, start_up
 
 
 class Stack(UpProcess):
-    """An ``up`` stack of one gateway and two prefill instances, its children by name."""
+    """An ``up`` stack (a gateway, prefill and decode instances), its children by name."""
 
     @property
     def gateway(self) -> str:
@@ -31,10 +33,17 @@ class Stack(UpProcess):
     def prefill(self, i: int) -> str:
         return f"http://127.0.0.1:{self.port + PREFILL_PORT - GATEWAY_PORT + i}"
 
+    def decode(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.port + DECODE_PORT - GATEWAY_PORT + i}"
+
     def pid_of(self, name: str) -> int:
-        """The child ``up`` started as ``prefill-0``, ``gateway``, ... (by its port)."""
-        port = self.gateway if name == "gateway" else self.prefill(int(name.split("-")[1]))
-        wanted = port.rsplit(":", 1)[1]
+        """The child ``up`` started as ``prefill-0``, ``decode-0``, ``gateway`` (by its port)."""
+        if name == "gateway":
+            url = self.gateway
+        else:
+            role, i = name.split("-")
+            url = {"prefill": self.prefill, "decode": self.decode}[role](int(i))
+        wanted = url.rsplit(":", 1)[1]
         for child in psutil.Process(self.proc.pid).children():
             cmd = child.cmdline()
             if "--port" in cmd and cmd[cmd.index("--port") + 1] == wanted:
@@ -141,3 +150,129 @@ def test_killed_gateway_is_restarted(stack: Stack) -> None:
     # Connections to the dead gateway failed at the transport level (the process was
     # gone); every answer the clients did get was a success.
     assert set(load.statuses) == {200}, sorted(set(load.statuses))
+
+
+# --- a decode instance killed under load (real vLLM) ------------------------------------
+
+
+@dataclass
+class DecodeLoad:
+    """Clients sending requests that need decode (16 tokens) in a loop until stopped; each
+    answer's status and error message. A client that waits past its timeout would be a
+    hang: it is recorded as a transport error."""
+
+    url: str
+    answers: list[tuple[int, str]] = field(default_factory=list)
+    """(status, error message) of each answer; status -1: a 200 short of its tokens."""
+    errors: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def client(self, k: int) -> None:
+        prompt = [5 + (k * 31 + i) % 30000 for i in range(64)]
+        body = {"model": "demo-llama", "prompt": prompt, "max_tokens": 16, "ignore_eos": True}
+        with httpx.Client(timeout=60) as c:
+            while not self.stop.is_set():
+                try:
+                    r = c.post(f"{self.url}/v1/completions", json=body)
+                except httpx.TransportError as e:
+                    self.errors.append(type(e).__name__)
+                    time.sleep(0.1)
+                    continue
+                if r.status_code == 200:  # every token: 16, or a wrong success
+                    tokens = r.json()["usage"]["completion_tokens"]
+                    self.answers.append((r.status_code if tokens == 16 else -1, r.text))
+                else:
+                    self.answers.append((r.status_code, _error_message(r)))
+                if r.status_code != 200:
+                    time.sleep(0.1)  # decode is down: do not spin
+
+    def served(self) -> int:
+        return sum(1 for status, _ in self.answers if status == 200)
+
+
+def _error_message(r: httpx.Response) -> str:
+    """The message of an OpenAI-style error body, or what came instead."""
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"not an OpenAI error body: {r.text[:200]!r}"
+
+
+def _until(what: Callable[[], bool], timeout_s: float, failure: Callable[[], str]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, failure()
+        time.sleep(0.2)
+
+
+def _decoding(url: str) -> bool:
+    """vLLM has requests running (its own gauge)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return False
+    running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running")]
+    return any(float(line.rsplit(" ", 1)[1]) > 0 for line in running)
+
+
+@pytest.fixture
+def decode_stack(tmp_path: Path) -> Iterator[Stack]:
+    up = start_up(tmp_path, "--model", "demo-llama", "--prefill", "1", "--decode", "1")
+    try:
+        yield Stack(up.proc, up.log, up.port)
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(60) == 0, up.log.read_text()
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed (pip install -e '.[decode]'; see README)",
+)
+def test_killed_decode_fails_its_requests_clearly_and_leaks_no_handoff(
+    decode_stack: Stack, tmp_path: Path
+) -> None:
+    """SIGKILL of vLLM's API server (the process ``up`` started) while it decodes: its
+    requests get a 502/503 naming decode, never a hang; ``up`` kills what it left behind
+    (the engine core) and restarts it; requests succeed again; and every KV hand-off is
+    deleted — a dead connector deletes nothing, so the gateway releases them."""
+    stack = decode_stack
+    kv_dir = tmp_path / "run" / "kv"  # the shared_dir transport's directory
+    load = DecodeLoad(stack.gateway)
+    threads = [threading.Thread(target=load.client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        _until(lambda: load.served() >= 3, 120, lambda: f"decode never served: {load.answers}")
+        _until(lambda: _decoding(stack.decode(0)), 60, lambda: "no request reached decode")
+        victim = psutil.Process(stack.pid_of("decode-0"))
+        left_behind = victim.children(recursive=True)  # vLLM's engine core and its worker
+        assert left_behind
+        victim.kill()
+        stack.wait_log("decode-0 died (killed by SIGKILL)")
+        _, alive = psutil.wait_procs(left_behind, timeout=30)
+        assert not alive, f"the dead decode's processes outlived it: {alive}"
+        stack.wait_log("decode-0 restarted")
+        served = load.served()  # nothing succeeds without decode: what follows is the new one
+        _until(
+            lambda: load.served() > served,
+            180,
+            lambda: f"the restarted decode served nothing: {load.answers[-5:]}",
+        )
+    finally:
+        load.stop.set()
+        for t in threads:
+            t.join(90)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert load.errors == [], load.errors  # every request was answered in time
+    failed = [(status, message) for status, message in load.answers if status != 200]
+    assert all(status != -1 for status, _ in failed), failed
+    assert failed, "the kill failed no request"
+    assert all(status in (502, 503) and "decode" in message for status, message in failed), sorted(
+        set(failed)
+    )
+    # Released in the background once each request ended: poll, bounded.
+    _until(lambda: not any(kv_dir.iterdir()), 15, lambda: f"left: {sorted(kv_dir.iterdir())}")
