@@ -40,6 +40,7 @@ from tqdm import tqdm
 from flowprefill.sim.cli import max_blocking_ms
 from flowprefill.sim.config import CostSpec, SweepConfig, WorkloadSpec
 from flowprefill.sim.search import highest_passing
+from flowprefill.sim.split import TilePlan
 from flowprefill.sim.sweep import Evaluator
 from flowprefill.sim.systems import get_system
 from flowprefill.sim.workload import QWEN_TYPES
@@ -59,6 +60,7 @@ class Row:
     arm: str
     bound_ms: float | None
     overhead_us: float | None
+    tile_plan: str
     goodput_rps: float
     ref_rate_rps: float
     blocking_mean_ms: float
@@ -117,19 +119,23 @@ class Arm:
     bound_ms: float | None
     overhead_us: float | None = None
     """Per added checkpoint; None: the cost model's default (10 µs)."""
+    tile_plan: TilePlan = "profiled"
+    """How split GEMMs are tiled (flowprefill/executor/tiling.py)."""
 
     @property
     def label(self) -> str:
         text = "none" if self.bound_ms is None else f"{self.bound_ms:g} ms"
         if self.overhead_us is not None:
             text += f", {self.overhead_us:g} µs/checkpoint"
+        if self.tile_plan != "profiled" and self.bound_ms is not None:
+            text += f", {self.tile_plan} tiles"
         return text
 
 
 def config(workload: WorkloadSpec, arm: Arm, tol: float) -> SweepConfig:
     overhead = None if arm.overhead_us is None else arm.overhead_us / 1e6
     return SweepConfig(
-        cost=CostSpec(split_overhead_s=overhead),
+        cost=CostSpec(split_overhead_s=overhead, tile_plan=arm.tile_plan),
         workload=workload,
         systems=(SYSTEM,),
         rel_tol=tol,
@@ -181,6 +187,7 @@ def _detail(name: str, cfg: SweepConfig, arm: Arm, goodput: float, hi_rate: floa
         arm=arm.label,
         bound_ms=arm.bound_ms,
         overhead_us=arm.overhead_us,
+        tile_plan=arm.tile_plan,
         goodput_rps=goodput,
         ref_rate_rps=ev.reference_rate(),
         blocking_mean_ms=ref.blocking_mean_ms,
@@ -222,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         default=50.0,
         help="also run the 4 ms bound with this cost per added checkpoint (0: skip)",
     )
+    ap.add_argument(
+        "--no-equal-tiles",
+        action="store_true",
+        help="skip the 4 ms arm with equal GEMM tiles (the engine's plan without a profile)",
+    )
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-plot", action="store_true")
@@ -238,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         arms.append(unsplit)  # the reference is always needed
     if args.sensitivity_us > 0:
         arms.append(Arm(4.0, overhead_us=args.sensitivity_us))
+    if not args.no_equal_tiles:
+        arms.append(Arm(4.0, tile_plan="equal"))
     workloads = ("paper", "long")
     keys = [(w, arm) for w in workloads for arm in arms]
     cfgs = {(w, arm): config(workload_spec(w, args, out), arm, args.tolerance) for w, arm in keys}
@@ -334,7 +348,11 @@ def plot(rows: list[Row], path: Path) -> None:
     none_x = 1.5 * max(finite) if finite else 1.0
     for w, marker in (("paper", "o"), ("long", "s")):
         sel = sorted(
-            (r for r in rows if r.workload == w and r.overhead_us is None),
+            (
+                r
+                for r in rows
+                if r.workload == w and r.overhead_us is None and r.tile_plan == "profiled"
+            ),
             key=lambda r: none_x if r.bound_ms is None else r.bound_ms,
         )
         xs = [none_x if r.bound_ms is None else r.bound_ms for r in sel]

@@ -209,6 +209,7 @@ class PreemptibleExecutor:
                 self.device,
                 next(model.parameters()).dtype,
                 lambda: self.backend.synchronize(None),
+                max_blocking_s=max_blocking_ms / 1000.0,
             )
         # A checkpoint at the entry of every decoder layer: the first layer's is the only
         # one after the embedding (a pass's prologue no longer shares a stretch with layer

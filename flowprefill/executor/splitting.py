@@ -19,9 +19,13 @@ splitting (same kernels, same results, no extra checkpoint).
 
 Predictions use two rates measured once on the executor's device (:func:`calibrate`):
 GEMM FLOP/s on the model's widest decoder linear and attention FLOP/s on a block of the
-model's head shape. Tensor-parallel ranks must split identically (they park at the same
-checkpoint *number*), so rank 0's rates are broadcast to all ranks (flowprefill/tp/ranks.py)
-and every rank plans from its own, equal, shard shapes.
+model's head shape. On CUDA it also measures each decoder weight shape's GEMM time at a
+grid of row counts (a :class:`~flowprefill.executor.tiling.RowProfile`): a GPU GEMM's time
+per row has a wave-quantisation sawtooth that one FLOP rate cannot see, and
+:func:`~flowprefill.executor.tiling.plan_tiles` uses the profile to pick tiles that avoid
+its expensive sizes. Tensor-parallel ranks must split identically (they park at the same
+checkpoint *number*), so rank 0's rates and profiles are broadcast to all ranks
+(flowprefill/tp/ranks.py) and every rank plans from its own, equal, shard shapes.
 
 The split checkpoints are the executor's ordinary checkpoints (same ``on_boundary``), so
 parking, resuming, cancelling and TP agreement work unchanged. :func:`count_checkpoints`
@@ -44,17 +48,47 @@ from torch.nn import functional
 
 from flowprefill.executor.packing import Segment
 from flowprefill.executor.threadlocal import ThreadSlot
-
-MIN_ROWS = 16
-"""Smallest tile or block: below this, per-call overhead outweighs shorter blocking."""
+from flowprefill.executor.tiling import (
+    GPU_PIECE_OVERHEAD_S,
+    GRID_HEADROOM,
+    MAX_PROFILED_ROWS,
+    MIN_ROWS,
+    RowProfile,
+    grid,
+    plan_tiles,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class SplitRates:
-    """How fast this device runs the two kinds of operator, in FLOP per second."""
+    """How fast this device runs the two kinds of operator, in FLOP per second, and,
+    where measured (CUDA), each decoder weight shape's GEMM time by row count, keyed by
+    its FLOP per row (equal shapes, equal key)."""
 
     gemm_flop_per_s: float
     attention_flop_per_s: float
+    gemm_profiles: dict[float, RowProfile] = field(default_factory=dict)
+    piece_overhead_s: float = 0.0
+    """What the tile planner charges per tile (its checkpoint); only used with profiles."""
+
+    def to_vector(self) -> list[float]:
+        """Flat floats (tensor parallelism broadcasts rank 0's): the two rates, the
+        overhead, then per profile its key, its length and its rows and seconds."""
+        out = [self.gemm_flop_per_s, self.attention_flop_per_s, self.piece_overhead_s]
+        for key, profile in self.gemm_profiles.items():
+            out += [key, float(len(profile.rows)), *map(float, profile.rows), *profile.seconds]
+        return out
+
+    @classmethod
+    def from_vector(cls, values: Sequence[float]) -> SplitRates:
+        profiles: dict[float, RowProfile] = {}
+        i = 3
+        while i < len(values):
+            key, n = values[i], int(values[i + 1])
+            rows = tuple(int(x) for x in values[i + 2 : i + 2 + n])
+            profiles[key] = RowProfile(rows, tuple(values[i + 2 + n : i + 2 + 2 * n]))
+            i += 2 + 2 * n
+        return cls(values[0], values[1], profiles, values[2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,11 +284,23 @@ def hooked(on_boundary: Callable[[], None]) -> Callable[[], None]:
 
 
 def gemm_pieces(policy: SplitPolicy, rows: int, flop_per_row: float) -> list[tuple[int, int]]:
-    """Row tiles of an operator: one when it is predicted within the bound."""
-    return row_tiles(rows, policy.tile_rows(flop_per_row))
+    """Row tiles of an operator: one when it is predicted within the bound; with a
+    profile of its weight shape the cheapest plan (:func:`plan_tiles`), else equal tiles
+    of the most rows the FLOP rate says fit."""
+    profile = policy.rates.gemm_profiles.get(flop_per_row)
+    if profile is None:
+        return row_tiles(rows, policy.tile_rows(flop_per_row))
+    sizes = plan_tiles(
+        rows, profile.time_s, policy.max_blocking_s, profile.rows, policy.rates.piece_overhead_s
+    )
+    bounds = [0, *itertools.accumulate(sizes)]
+    return list(itertools.pairwise(bounds))
 
 
 def gemm_seconds(policy: SplitPolicy, rows: int, flop_per_row: float) -> float:
+    profile = policy.rates.gemm_profiles.get(flop_per_row)
+    if profile is not None:
+        return profile.time_s(rows)
     return rows * flop_per_row / policy.rates.gemm_flop_per_s
 
 
@@ -442,12 +488,24 @@ def calibrate(
     rows: int = 512,
     keys: int = 2048,
     repeats: int = 5,
+    *,
+    max_blocking_s: float | None = None,
+    profile_rows: bool | None = None,
 ) -> SplitRates:
     """Measure the two rates on this device: the widest decoder linear at ``rows`` rows
     (through its installed forward, fast kernels on), and a block of ``rows`` queries
-    over ``keys`` keys in the model's head shape (0.1-0.3 s for demo-llama on CPU)."""
+    over ``keys`` keys in the model's head shape (0.1-0.3 s for demo-llama on CPU).
+
+    ``profile_rows`` (default: on CUDA, where a GEMM's time per row is not constant):
+    also time every distinct decoder weight shape at the grid of row counts
+    (:func:`~flowprefill.executor.tiling.grid`) up to :data:`GRID_HEADROOM` times the rows
+    that fit ``max_blocking_s`` at the measured rate (fastest of ``repeats`` each; ~1 s
+    for Llama-3-8B on an H100 by the FLOP count — not measured on a GPU yet)."""
     from flowprefill.executor.kernels import fast_kernels
 
+    if profile_rows is None:
+        profile_rows = device.type == "cuda"
+    profiles: dict[float, RowProfile] = {}
     with torch.inference_mode(), fast_kernels(True):
         if handle.linears:
             module, cost = max(handle.linears, key=lambda item: item[1])
@@ -455,6 +513,9 @@ def calibrate(
             x = torch.randn(rows, module.weight.shape[1], device=device, dtype=dtype)
             gemm_s = _best_time(lambda: module(x), sync, repeats)
             gemm_rate = cost * rows / max(gemm_s, 1e-9)
+            if profile_rows and max_blocking_s is not None:
+                profiles = _profile_shapes(handle, gemm_rate, max_blocking_s, device, dtype,
+                                           sync, repeats)  # fmt: skip
         else:
             gemm_rate = math.inf
         q = torch.randn(1, num_heads, rows, head_dim, device=device, dtype=dtype)
@@ -463,4 +524,41 @@ def calibrate(
             lambda: block_attention(q, k, k, 0, rows, keys - rows, None), sync, repeats
         )
         attn_rate = 4.0 * num_heads * head_dim * _pairs(keys - rows, 0, rows) / max(attn_s, 1e-9)
-    return SplitRates(gemm_flop_per_s=gemm_rate, attention_flop_per_s=attn_rate)
+    return SplitRates(
+        gemm_flop_per_s=gemm_rate,
+        attention_flop_per_s=attn_rate,
+        gemm_profiles=profiles,
+        piece_overhead_s=GPU_PIECE_OVERHEAD_S if profiles else 0.0,
+    )
+
+
+def _profile_shapes(
+    handle: SplitHandle,
+    gemm_rate: float,
+    max_blocking_s: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    sync: Callable[[], None],
+    repeats: int,
+) -> dict[float, RowProfile]:
+    """One :class:`RowProfile` per distinct weight shape among the split linears (the
+    first module of each shape stands for all: same shape, same kernels)."""
+    profiles: dict[float, RowProfile] = {}
+    for module, cost in handle.linears:
+        if cost in profiles or not isinstance(module, nn.Linear):
+            continue
+        fit = int(GRID_HEADROOM * max_blocking_s * gemm_rate / max(cost, 1.0))
+        sizes = grid(min(MAX_PROFILED_ROWS, fit))
+        if len(sizes) < 2:
+            continue  # the bound is under one grid step of rows: nothing to choose
+        x = torch.randn(sizes[-1], module.weight.shape[1], device=device, dtype=dtype)
+        # ``forward``, not ``__call__``: a tile runs the forward without the module's
+        # hooks (a TP all-reduce runs once, after the whole linear), so it is timed so.
+        forward = module.forward
+        times = [_best_time(_call(forward, x[:m]), sync, repeats) for m in sizes]
+        profiles[cost] = RowProfile(tuple(sizes), tuple(max(t, 1e-9) for t in times))
+    return profiles
+
+
+def _call(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> Callable[[], object]:
+    return lambda: fn(x)

@@ -108,6 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "behind the checkpoint's sync; 20 for --profile)",
     )
     dev.add_argument(
+        "--tile-plan",
+        choices=("profiled", "equal"),
+        default="profiled",
+        help="how split GEMMs are tiled: profiled = the engine on CUDA (cheapest plan on the "
+        "measured times per row count), equal = ceil(t/b) equal tiles (FLOP rate only)",
+    )
+    dev.add_argument(
         "--calibration",
         default=None,
         metavar="CSV",
@@ -174,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         profile_layers=args.profile_layers,
         calibration=args.calibration,
         split_overhead_s=None if args.split_overhead_us is None else args.split_overhead_us / 1e6,
+        tile_plan=args.tile_plan,
     )
     workload = WorkloadSpec(
         kind=kind,

@@ -24,7 +24,7 @@ from flowprefill.sim.cost import (
 )
 from flowprefill.sim.hardware import get_gpu, get_model
 from flowprefill.sim.profile import ProfileCostModel
-from flowprefill.sim.split import CPU_PIECE_OVERHEAD_S, GPU_PIECE_OVERHEAD_S
+from flowprefill.sim.split import CPU_PIECE_OVERHEAD_S, GPU_PIECE_OVERHEAD_S, TilePlan
 from flowprefill.sim.systems import DEFAULT_SYSTEMS, fit_predictor, get_system
 from flowprefill.sim.traces import load_trace
 from flowprefill.sim.workload import Workload, get_slo_table, qwen_like, sharegpt_like
@@ -57,6 +57,13 @@ class CostSpec(BaseModel):
         "None: the model's default (10 µs on a GPU, 20 µs for a CPU profile).",
     )
 
+    tile_plan: TilePlan = Field(
+        "profiled",
+        description="How split GEMMs are tiled on a GPU model: `profiled` (the engine on "
+        "CUDA: the cheapest plan on the measured per-row-count times) or `equal` "
+        "(ceil(t/b) equal tiles: FLOP-rate predictions only).",
+    )
+
     def build(self) -> CostModel:
         overhead = self.split_overhead_s
         if self.profile is not None:
@@ -74,6 +81,7 @@ class CostSpec(BaseModel):
             tp_check_s=self.tp_check_s,
             split_overhead_s=GPU_PIECE_OVERHEAD_S if overhead is None else overhead,
             calibration=self.calibration,
+            tile_plan=self.tile_plan,
         )
 
     def predictor(self, cost: CostModel, max_blocking_s: float | None = None) -> TTFTPredictor:

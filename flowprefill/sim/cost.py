@@ -51,7 +51,12 @@ from flowprefill.sim.hardware import (
     get_gpu,
     get_model,
 )
-from flowprefill.sim.split import GPU_PIECE_OVERHEAD_S, attention_pieces, gemm_pieces
+from flowprefill.sim.split import (
+    GPU_PIECE_OVERHEAD_S,
+    TilePlan,
+    attention_pieces,
+    gemm_pieces,
+)
 from flowprefill.sim.vidur import VIDUR_OPS, load_tables
 
 SEGMENTS = ("qkv_proj", "attention", "o_proj", "gate_up", "down_proj")
@@ -171,6 +176,7 @@ class GPUCostModel:
         tp_check_s: float = TP_CHECK_S,
         split_overhead_s: float = GPU_PIECE_OVERHEAD_S,
         calibration: str | None = None,
+        tile_plan: TilePlan = "profiled",
     ) -> None:
         tables = load_tables(calibration)
         tp = model.default_tp if tp is None else tp
@@ -188,6 +194,7 @@ class GPUCostModel:
             )
         self.model, self.gpu, self.tp = model, gpu, tp
         self.split_overhead_s = split_overhead_s
+        self.tile_plan: TilePlan = tile_plan
         self.checkpoint_s = tp_check_s if tp > 1 else 0.0
         self.name = f"{model.name}/{gpu.name}/tp{tp}"
         self.max_context_tokens = model.max_context_tokens
@@ -308,7 +315,15 @@ class GPUCostModel:
                 return attention_pieces(segments, self._segment_attention_s, b, extra)
             tail = comm if i in (2, 4) else 0.0
             column = i if i else 1  # _compute's columns: emb, qkv, o_proj, gate_up, down_proj
-            return gemm_pieces(lambda m: self._compute(m)[column], n, b, extra, tail_s=tail)
+            return gemm_pieces(
+                lambda m: self._compute(m)[column],
+                n,
+                b,
+                extra,
+                tail_s=tail,
+                tile_plan=self.tile_plan,
+                per_row_s=self._large_gemm_per_row_s[column],
+            )
 
         split = [segment(i) for i in range(len(whole.op_s))]
         return PassCost(
@@ -317,6 +332,13 @@ class GPUCostModel:
             whole.num_layers,
             tuple(len(pieces) for pieces in split),
         )
+
+    @functools.cached_property
+    def _large_gemm_per_row_s(self) -> tuple[float, ...]:
+        """Each segment's time per row at the profile's largest token count: the rate
+        the engine's calibration would measure on a large GEMM (sizes the tile grid)."""
+        n = int(self._xs[-1])
+        return tuple(t / n for t in self._compute(n))
 
     def ideal_cost_s(self, num_tokens: int) -> float:
         """Cheapest GEMM time per token, the all-reduces' bandwidth (two per layer: no
@@ -343,6 +365,7 @@ def build_cost_model(
     tp_check_s: float = TP_CHECK_S,
     split_overhead_s: float = GPU_PIECE_OVERHEAD_S,
     calibration: str | None = None,
+    tile_plan: TilePlan = "profiled",
 ) -> GPUCostModel:
     """By name; unknown model or GPU names raise UnknownNameError listing the known ones.
     ``calibration``: a CSV of operator times measured on ``gpu`` (:mod:`.vidur`)."""
@@ -355,4 +378,5 @@ def build_cost_model(
         tp_check_s=tp_check_s,
         split_overhead_s=split_overhead_s,
         calibration=calibration,
+        tile_plan=tile_plan,
     )

@@ -6,11 +6,15 @@ any operator whose *predicted* time exceeds a bound ``b`` into pieces with a pre
 checkpoint between consecutive pieces, so an urgent arrival waits for at most about one
 piece instead of one whole operator:
 
-* GEMM-type segments (qkv_proj, o_proj, gate_up, down_proj) run in ``ceil(t / b)`` tiles
-  of token rows, cut like the engine's ``row_tiles`` (sizes differing by at most one
-  row). A tile's time is the cost model's time *at the tile's token count* (for the GPU
-  model: the vidur profile interpolated there, so small-tile inefficiency is the measured
-  one), not ``t / k``.
+* GEMM-type segments (qkv_proj, o_proj, gate_up, down_proj) run in tiles of token rows.
+  A tile's time is the cost model's time *at the tile's token count* (for the GPU model:
+  the vidur profile interpolated there, so small-tile inefficiency is the measured one),
+  not ``t / k``. Which tiles: ``tile_plan="profiled"`` (the GPU model's default) plans as
+  the engine does on CUDA, where it measures each weight shape's GEMM time at a grid of
+  row counts when it starts — :func:`flowprefill.executor.tiling.plan_tiles`, the same
+  function, on the profile: the cheapest of a few plans whose every tile fits ``b``.
+  ``"equal"``: ``ceil(t / b)`` equal tiles (sizes differing by at most one row), the
+  engine's plan with FLOP-rate predictions only (on CPU, or without a profile).
 * Attention runs in blocks of query rows: block ``[a, a + r)`` of a request with ``c``
   new tokens after ``p`` cached ones attends to every key up to its last row, i.e.
   ``r·(p + a) + r²/2`` query-key pairs. As in the engine's ``attention_plan``, each block
@@ -39,18 +43,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Literal
+
+from flowprefill.executor.tiling import GPU_PIECE_OVERHEAD_S as GPU_PIECE_OVERHEAD_S
+from flowprefill.executor.tiling import GRID_HEADROOM, MAX_PROFILED_ROWS, grid, plan_tiles
 
 MIN_ROWS = 16
 """Smallest tile or attention block, as the engine's ``splitting.MIN_ROWS``."""
-
-GPU_PIECE_OVERHEAD_S = 10e-6
-"""What one checkpoint added by splitting costs on a GPU. The engine's default
-``every_check`` sync (flowprefill/executor/device.py) waits for the stream at every
-checkpoint, so the next piece's first kernel launch is exposed: CUDA launch latency is
-~5 µs and a stream-sync round trip a few µs more on A100/H100. The vidur operator times
-are kernel times (no launch gaps), so this is charged per *added* checkpoint only; the
-unsplit operator-level checkpoints are not charged (as before; paper §6.4: negligible).
-``--split-overhead-us``."""
 
 CPU_PIECE_OVERHEAD_S = 20e-6
 """The same for the profiled CPU engine (:class:`~flowprefill.sim.profile.ProfileCostModel`):
@@ -76,6 +75,10 @@ def tile_sizes(num_rows: int, pieces: int) -> list[int]:
     return [size + 1] * extra + [size] * (pieces - extra)
 
 
+TilePlan = Literal["profiled", "equal"]
+"""How GEMM tiles are chosen (module docstring)."""
+
+
 def gemm_pieces(
     time_at: Callable[[int], float],
     num_tokens: int,
@@ -83,16 +86,27 @@ def gemm_pieces(
     overhead_s: float,
     *,
     tail_s: float = 0.0,
+    tile_plan: TilePlan = "equal",
+    per_row_s: float | None = None,
 ) -> tuple[float, ...]:
     """Stretches of a row-wise segment over ``num_tokens`` rows: ``time_at(m)`` is its
     time at ``m`` rows; ``tail_s`` (an all-reduce after the whole linear) joins the last
     tile. Within the bound: one, ``time_at(num_tokens) + tail_s``; split: the leading
-    zero-length stretch, then each tile plus ``overhead_s``."""
+    zero-length stretch, then each tile plus ``overhead_s``. ``per_row_s``: the
+    segment's time per row at the rate the engine measures (a large GEMM), which sizes
+    the profiled grid (default: the whole's)."""
     whole = time_at(num_tokens)
     k = num_pieces(whole, bound_s)
     if k == 1 or num_tokens < 2 * MIN_ROWS:
         return (whole + tail_s,)
-    out = [time_at(m) + overhead_s for m in tile_sizes(num_tokens, k)]
+    if tile_plan == "profiled":
+        rate = per_row_s if per_row_s is not None else whole / num_tokens
+        # The grid the engine's calibration profiles (flowprefill.executor.splitting).
+        sizes = grid(min(MAX_PROFILED_ROWS, int(GRID_HEADROOM * bound_s / rate)))
+        tiles = plan_tiles(num_tokens, time_at, bound_s, sizes, overhead_s)
+    else:
+        tiles = tile_sizes(num_tokens, k)
+    out = [time_at(m) + overhead_s for m in tiles]
     out[-1] += tail_s
     return (0.0, *out)
 

@@ -131,14 +131,16 @@ def init_rank(config: EngineConfig, rank: int, master_port: int) -> PreemptibleE
     policy = executor.split_policy
     if policy is not None:
         # Every rank must split alike (they park at the same checkpoint number): all
-        # predict with rank 0's measured rates.
-        rates = torch.tensor(
-            [policy.rates.gemm_flop_per_s, policy.rates.attention_flop_per_s],
-            dtype=torch.float64,
-            device=device,
-        )
-        dist.broadcast(rates, src=0)
-        executor.set_split_rates(SplitRates(float(rates[0]), float(rates[1])))
+        # predict with rank 0's measured rates and GEMM profiles. Each rank measured its
+        # own, so the sizes may differ: the length goes first.
+        mine = policy.rates.to_vector()
+        size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+        dist.broadcast(size, src=0)
+        values = torch.zeros(int(size.item()), dtype=torch.float64, device=device)
+        if rank == 0:
+            values.copy_(torch.tensor(mine, dtype=torch.float64))
+        dist.broadcast(values, src=0)
+        executor.set_split_rates(SplitRates.from_vector(values.tolist()))
     return executor
 
 

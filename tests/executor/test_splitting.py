@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from flowprefill.contracts import EngineConfig
 from flowprefill.contracts.engine import DEFAULT_MAX_BLOCKING_MS, DEFAULT_MAX_BLOCKING_MS_CPU
+from flowprefill.executor.checkpoints import find_decoder_layers
 from flowprefill.executor.packing import Segment
 from flowprefill.executor.preemption import TaskControl
 from flowprefill.executor.runner import PreemptibleExecutor, PrefillOutput
@@ -33,8 +34,11 @@ from flowprefill.executor.splitting import (
     _pairs,
     attention_plan,
     block_attention,
+    calibrate,
+    install_split_operators,
     row_tiles,
 )
+from flowprefill.executor.tiling import RowProfile
 from tests.executor.helpers import StopAt, TaskThread, assert_bit_identical, random_prompts
 
 MakeExecutor = Callable[..., PreemptibleExecutor]
@@ -154,6 +158,91 @@ def test_expected_checkpoints_equal_those_passed(
     ) as executor:
         _, checks = counted_run(executor, random_prompts(lengths, 1000, seed=sum(lengths)))
         assert checks == executor.expected_checkpoints(lengths)
+
+
+def sawtooth_rates(model: PreTrainedModel) -> SplitRates:
+    """RATES plus a GPU-like profile for every decoder weight shape: a GEMM of a multiple
+    of 48 rows runs at the rate, any other row count 25 % slower (a partial wave)."""
+    shapes = {
+        tuple(m.weight.shape)
+        for m in find_decoder_layers(model)[1].modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    rows = tuple(range(16, 1025, 16))
+    profiles = {}
+    for out_f, in_f in shapes:
+        per_row = 2.0 * out_f * in_f / RATES.gemm_flop_per_s
+        profiles[2.0 * out_f * in_f] = RowProfile(
+            rows, tuple(m * per_row * (1.0 if m % 48 == 0 else 1.25) for m in rows)
+        )
+    return SplitRates(RATES.gemm_flop_per_s, RATES.attention_flop_per_s, profiles)
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_profiled_tiles_give_the_same_results_and_exact_counts(
+    tiny_model: PreTrainedModel, make_executor: MakeExecutor
+) -> None:
+    """With a measured GEMM profile (CUDA) the planner picks other tiles than equal ones;
+    results still equal the unsplit run's and the checkpoint count is still predicted."""
+    lengths = [300, 40, 180]
+    prompts = random_prompts(lengths, int(tiny_model.config.vocab_size), seed=7)
+    whole = make_executor(tiny_model)
+    reference, _ = counted_run(whole, prompts)
+    whole.close()
+    bound_ms = 1.0  # ~60 rows of the widest linear at RATES
+    equal = make_executor(tiny_model, max_blocking_ms=bound_ms, split_rates=RATES)
+    _, equal_checks = counted_run(equal, prompts)
+    equal.close()
+    profiled = make_executor(
+        tiny_model, max_blocking_ms=bound_ms, split_rates=sawtooth_rates(tiny_model)
+    )
+    out, checks = counted_run(profiled, prompts)
+    assert_close(out, reference)
+    assert checks == profiled.expected_checkpoints(lengths)
+    assert checks != equal_checks  # other tiles: the profile was used
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_calibration_profiles_every_weight_shape_when_asked(tiny_model: PreTrainedModel) -> None:
+    """On CUDA by default, here forced: one profile per distinct decoder weight shape,
+    row counts on the grid, positive times."""
+    handle = install_split_operators(find_decoder_layers(tiny_model)[1])
+    try:
+        rates = calibrate(
+            handle,
+            int(tiny_model.config.num_attention_heads),
+            int(tiny_model.config.hidden_size) // int(tiny_model.config.num_attention_heads),
+            torch.device("cpu"),
+            torch.float32,
+            lambda: None,
+            repeats=1,
+            max_blocking_s=0.002,
+            profile_rows=True,
+        )
+    finally:
+        handle.remove()
+    assert set(rates.gemm_profiles) == {cost for _, cost in handle_costs(tiny_model)}
+    for profile in rates.gemm_profiles.values():
+        assert len(profile.rows) >= 2 and all(r % 256 == 0 for r in profile.rows)
+        assert all(t > 0 for t in profile.seconds)
+    assert rates.piece_overhead_s > 0
+    handle = install_split_operators(find_decoder_layers(tiny_model)[1])
+    try:
+        off = calibrate(
+            handle, 4, 16, torch.device("cpu"), torch.float32, lambda: None, repeats=1,
+            max_blocking_s=0.002,
+        )  # fmt: skip
+    finally:
+        handle.remove()
+    assert off.gemm_profiles == {}  # CPU default: GEMM time is linear in rows there
+
+
+def handle_costs(model: PreTrainedModel) -> list[tuple[object, float]]:
+    handle = install_split_operators(find_decoder_layers(model)[1])
+    try:
+        return list(handle.linears)
+    finally:
+        handle.remove()
 
 
 # ------------------------------------------------------------------------------ plans
