@@ -160,7 +160,8 @@ def default_cache_path() -> str:
 class HTTPPullTransport:
     """Consumer side of the ``http`` transport: pull hand-offs from the prefill instance
     that wrote them (``<source>/v1/kv/<id>``, ``source`` from the request's
-    :class:`HandoffRef`) into a local cache directory.
+    :class:`HandoffRef`: that instance's KV listener, the one port of it decode reaches)
+    into a local cache directory.
 
     * :meth:`header` (vLLM's scheduler): HTTP ``Range`` request for the safetensors header
       only (``HEADER_PROBE_BYTES``; a second request if the header is larger) — one round
@@ -171,7 +172,8 @@ class HTTPPullTransport:
       read it lazily from there; with ``verify_checksum`` (default) every byte is checked
       against the hand-off's token-id digest and CRC-32 first, since the bytes crossed the
       network from a peer that may be broken or hostile. Later calls use the local copy.
-    * :meth:`delete`: remove the local copy and ``DELETE`` at the source in the background
+    * :meth:`delete`: remove the local copy and ``DELETE`` at the source (the same KV
+      listener) in the background
       (best effort: the prefill side sweeps what is never deleted). :meth:`discard`: the
       local copy only.
 
