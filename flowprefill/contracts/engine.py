@@ -87,7 +87,8 @@ class KVHandoffSettings(BaseModel):
     transport: KVTransportName = Field(
         KVTransport.SHARED_DIR,
         description="shared_dir: decode reads `dir` (a shared volume); http: this instance "
-        "serves hand-offs at /v1/kv/<id> and decode pulls them.",
+        "serves hand-offs at /v1/kv/<id> on its KV port (serve-prefill --kv-port) and decode "
+        "pulls them.",
     )
     dir: str | None = Field(
         None, description="Hand-off directory (null: $FLOWPREFILL_KV_DIR or /tmp/flowprefill-kv)."

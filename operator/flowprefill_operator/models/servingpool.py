@@ -111,7 +111,7 @@ class KVHandoff(CRModel):
     """How each prompt's KV cache travels from the prefill pool to the decode pool.
 
     ``http`` (no shared storage): each prefill pod keeps its hand-offs on its own
-    ``emptyDir`` and serves them at ``GET /v1/kv/<id>`` on its port; decode's
+    ``emptyDir`` and serves them at ``GET /v1/kv/<id>`` on its KV port (8300); decode's
     FlowPrefillConnector pulls each into its own ``emptyDir`` and deletes the source after
     loading. ``sharedDir``: a ReadWriteMany PVC (``claimName``), the same claim in both
     pools. Both pools of a service must use the same transport (and claim).
