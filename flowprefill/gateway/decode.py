@@ -22,9 +22,9 @@ as no decode instance can still load it *for this request*:
   has no connector left to delete anything, and one whose connection the gateway
   dropped (stalled, a timeout, a stream error) aborts the request.
 
-Never while an attempt is live: a retry on another instance is that instance's to load
-and its connector deletes the hand-off when the request ends there. The one case left to
-decode is a client that leaves while an attempt is live: that instance may be loading it
+Never while an attempt is live: a retry on another instance is that instance's to load,
+so the release waits until it has finished or failed too. The one case left to decode's
+connector is a client that leaves while an attempt is live: that instance may be loading it
 right now (vLLM's batch queue can run a step scheduled before the abort), and its
 connector deletes it after the abort's grace. A release can still meet a load on an
 instance the gateway has already dropped (a stalled one that resumes with a step
