@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +34,7 @@ from flowprefill.kv import (
     write_handoff,
 )
 from flowprefill.kv.format import KVHandoff, parse_file_header
-from flowprefill.server.prefill import _add_kv_routes
+from flowprefill.server.kv_http import create_kv_app
 from tests.helpers import serve_in_thread
 
 FP = ModelFingerprint("llama", 2, 2, 8, 32, 100, 10000.0)
@@ -239,12 +238,10 @@ def test_headers_that_are_not_safetensors_are_refused(
 
 @pytest.fixture(scope="module")
 def kv_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, SharedDirTransport]]:
-    """The prefill server's own ``/v1/kv/<id>`` routes over its hand-off directory (no
-    engine needed: the routes serve whatever bytes the directory holds)."""
+    """The prefill server's KV listener over its hand-off directory (no engine needed: it
+    serves whatever bytes the directory holds)."""
     store = SharedDirTransport(tmp_path_factory.mktemp("served"))
-    app = FastAPI()
-    _add_kv_routes(app, store)
-    with serve_in_thread(app) as url:
+    with serve_in_thread(create_kv_app(store)) as url:
         yield url, store
 
 
