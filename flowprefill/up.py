@@ -30,6 +30,7 @@ from typing import TypeVar
 
 from rich.console import Console
 
+from flowprefill.allocator import preload_env
 from flowprefill.contracts import (
     Batching,
     Endpoint,
@@ -195,6 +196,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="niceness of the decode processes: when they compete with prefill for the "
         "cores, the first token comes first (0: equal priority; docs/stack.md)",
     )
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="run prefill with glibc's malloc even where jemalloc is installed (by default "
+        "it is preloaded: glibc's keeps the memory of large freed blocks; docs/stack.md)",
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument(
         "--max-restarts",
@@ -260,7 +267,9 @@ def plan_stack(
             kv_port=args.port + (PREFILL_KV_PORT - GATEWAY_PORT) + i,
         )
         prefill_eps.append(Endpoint.at("prefill", LOOPBACK, port))
-        children.append(Child(f"prefill-{i}", process, run_dir / "logs" / f"prefill-{i}.log"))
+        malloc = {} if args.system_malloc else preload_env(os.environ)
+        log = run_dir / "logs" / f"prefill-{i}.log"
+        children.append(Child(f"prefill-{i}", process, log, malloc))
     decode_eps = []
     for i in range(args.decode):
         port = args.port + (DECODE_PORT - GATEWAY_PORT) + i
