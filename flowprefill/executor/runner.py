@@ -27,6 +27,7 @@ from flowprefill.contracts.names import Granularity, Kernels
 from flowprefill.errors import InvalidRequestError
 from flowprefill.executor.attention import packed_segments
 from flowprefill.executor.attention import register as register_packed_attention
+from flowprefill.executor.calibration import calibrate
 from flowprefill.executor.checkpoints import (
     NoBoundariesError,
     check_granularity,
@@ -61,7 +62,6 @@ from flowprefill.executor.splitting import (
     SplitPolicy,
     SplitRates,
     TraceRecorder,
-    calibrate,
     count_checkpoints,
     hooked,
     install_split_operators,

@@ -9,7 +9,7 @@ equal plan then lands wherever the division puts it, and pays up to ~10 % on the
 operator for nothing.
 
 Given a measured time per row count (:class:`RowProfile`: the executor measures one per
-weight shape on CUDA, ``flowprefill.executor.splitting.calibrate``; the simulator prices
+weight shape on CUDA, ``flowprefill.executor.calibration.calibrate``; the simulator prices
 tiles at its profile's times), :func:`plan_tiles` looks at a few plans and keeps the
 cheapest whose every tile is predicted within the bound:
 

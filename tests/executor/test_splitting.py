@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from flowprefill.contracts import EngineConfig
 from flowprefill.contracts.engine import DEFAULT_MAX_BLOCKING_MS, DEFAULT_MAX_BLOCKING_MS_CPU
+from flowprefill.executor.calibration import calibrate
 from flowprefill.executor.checkpoints import find_decoder_layers
 from flowprefill.executor.packing import Segment
 from flowprefill.executor.preemption import TaskControl
@@ -34,7 +35,6 @@ from flowprefill.executor.splitting import (
     _pairs,
     attention_plan,
     block_attention,
-    calibrate,
     install_split_operators,
     row_tiles,
 )
