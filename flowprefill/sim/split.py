@@ -101,7 +101,7 @@ def gemm_pieces(
         return (whole + tail_s,)
     if tile_plan == "profiled":
         rate = per_row_s if per_row_s is not None else whole / num_tokens
-        # The grid the engine's calibration profiles (flowprefill.executor.splitting).
+        # The grid the engine's calibration profiles (flowprefill.executor.calibration).
         sizes = grid(min(MAX_PROFILED_ROWS, int(GRID_HEADROOM * bound_s / rate)))
         tiles = plan_tiles(num_tokens, time_at, bound_s, sizes, overhead_s)
     else:
