@@ -51,9 +51,9 @@ class Stack(UpProcess):
         raise AssertionError(f"no {name} child of up: {self.log.read_text()[-2000:]}")
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    up = start_up(tmp_path, "--decode", "0", "--prefill", "2")
+def running_stack(tmp_path: Path, *flags: str) -> Iterator[Stack]:
+    """`flowprefill up` with these flags for the test; it must stop cleanly on SIGINT."""
+    up = start_up(tmp_path, *flags)
     try:
         yield Stack(up.proc, up.log, up.port)
         up.proc.send_signal(signal.SIGINT)
@@ -61,6 +61,11 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    yield from running_stack(tmp_path, "--decode", "0", "--prefill", "2")
 
 
 @dataclass
@@ -217,14 +222,7 @@ def _decoding(url: str) -> bool:
 
 @pytest.fixture
 def decode_stack(tmp_path: Path) -> Iterator[Stack]:
-    up = start_up(tmp_path, "--model", "demo-llama", "--prefill", "1", "--decode", "1")
-    try:
-        yield Stack(up.proc, up.log, up.port)
-        up.proc.send_signal(signal.SIGINT)
-        assert up.proc.wait(60) == 0, up.log.read_text()
-    finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
+    yield from running_stack(tmp_path, "--model", "demo-llama", "--prefill", "1", "--decode", "1")
 
 
 @pytest.mark.slow
