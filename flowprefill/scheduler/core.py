@@ -209,7 +209,7 @@ class Scheduler:
                 predict_s=self.predict_s,
                 token_budget=self.token_budget,
             )
-            target = Task(batch)
+            target = Task(self._within_rank(batch, keyed, now_s))
         else:
             target = best
 
@@ -236,6 +236,34 @@ class Scheduler:
         self.running = target
         self.stats.num_command_rounds += 1
         return out
+
+    def _within_rank(
+        self, batch: list[Request], keyed: list[tuple[SortKey, Request | Task]], now_s: float
+    ) -> list[Request]:
+        """``batch`` without the trailing members that make it rank below an entry left
+        outside it. A batch is ranked by its leader's deadline and the whole batch's
+        predicted time, so a member can turn a feasible leader's batch infeasible (greedy
+        batching fills the budget whatever the members' deadlines): the batch would
+        then run although an entry outside it ranks higher — the task it just preempted,
+        say — and be preempted by it at the next round. The leader alone is the best
+        entry, so this keeps at least the leader."""
+        inside = {id(r) for r in batch}
+        outside = [k for k, x in keyed if id(x) not in inside]
+        best_outside = min(outside, default=None)
+        kept = list(batch)
+        while len(kept) > 1 and best_outside is not None:
+            leader = kept[0]
+            rank = RankInput(
+                leader.deadline_s,
+                leader.arrival_s,
+                self.predict_s(sum(r.num_tokens for r in kept)),
+                leader.seq,
+            )
+            if self.policy.sort_key(rank, now_s) <= best_outside:
+                break
+            dropped = kept.pop()
+            best_outside = min(best_outside, self.sort_key(dropped, now_s))
+        return kept
 
     @property
     def queue_depth(self) -> int:

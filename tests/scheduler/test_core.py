@@ -222,3 +222,28 @@ def test_preempt_that_races_with_completion_finishes_cleanly() -> None:
     assert task_a.leader.state is RequestState.FINISHED
     assert task_a.task_id not in s.preempted
     assert s.schedule(1.52).commands == []  # B keeps running; nothing to resume
+
+
+def test_a_batch_never_ranks_below_an_entry_it_leaves_outside() -> None:
+    """Found by the randomized invariants: greedy batching put an infeasible 500-token
+    request into a feasible 1-token leader's batch, which then ranked below the task it
+    had just preempted (and would have been preempted by it at the next round). The
+    member that sinks the batch stays in the queue instead."""
+    s = Scheduler(
+        predict_s=per_token(0.5),
+        policy=get_policy("s-edf"),
+        batching=get_batching("greedy"),
+        token_budget=1024,
+    )
+    now = 1.0
+    s.add(req("long", 318, now, 0.5))
+    s.schedule(now)
+    s.add(req("doomed", 500, now, 0.25))
+    s.schedule(now)
+    s.add(req("urgent", 1, now, 0.25))
+    out = s.schedule(now)
+    assert [c.kind for c in out.commands] == [CommandKind.PREEMPT, CommandKind.SUBMIT]
+    assert s.running is not None
+    assert [r.request_id for r in s.running.requests] == ["urgent"]
+    assert "doomed" in s.waiting
+    assert s.sort_key(s.running, now) == min(s.sort_key(x, now) for x in s.runnable())
