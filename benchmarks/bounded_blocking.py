@@ -36,10 +36,10 @@ from rich.progress import Progress
 from rich.table import Table
 from transformers import PreTrainedModel
 
-from flowprefill.executor.preemption import TaskControl
-from flowprefill.executor.runner import PreemptibleExecutor
-from flowprefill.executor.splitting import SplitRates
 from flowprefill.models import build_named, load_model, model_names
+from flowprefill.prefill.executor.preemption import TaskControl
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
+from flowprefill.prefill.executor.splitting import SplitRates
 
 OFF = "off"
 

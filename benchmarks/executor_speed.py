@@ -9,7 +9,7 @@ rotated each round) and reports medians and ratios to the plain forward:
 * ``hf-last``: the same with ``logits_to_keep=1`` (lm_head on the last position only);
 * ``<granularity>/<kernels>``: ``PreemptibleExecutor.prefill`` with granularity ``none``,
   ``layer`` or ``operator`` and kernel set ``fast`` (oneDNN linears on prepacked weights)
-  or ``reference`` (the model's own modules) — see ``flowprefill/executor/kernels.py``;
+  or ``reference`` (the model's own modules) — see ``flowprefill/prefill/executor/kernels.py``;
 * ``vllm`` (with ``--vllm-python``): vLLM's offline ``LLM(dtype="float32",
   enforce_eager=True).generate(prompt_token_ids, max_tokens=1)`` in a worker subprocess run
   by that interpreter (e.g. a separate venv), kept loaded and driven over a pipe so its
@@ -192,7 +192,7 @@ class ExecutorArm(Arm):
         self.executor: Any = None
 
     def setup(self) -> None:
-        from flowprefill.executor.runner import PreemptibleExecutor
+        from flowprefill.prefill.executor.runner import PreemptibleExecutor
 
         self.executor = PreemptibleExecutor(
             self.model, granularity=self.granularity, kernels=self.kernels

@@ -7,7 +7,7 @@ skipped with a note; every section prints its elapsed time), one module each und
 1. ``checks`` — CUDA-only correctness on the real model: each task on a stream of its own,
    the stream idle at every checkpoint (``every_check``), a parked task leaves no queued
    kernels (also with ``on_preempt``, where work *is* queued when it parks), resumed
-   prefills bit-identical; plus pytest of tests/executor/test_device.py. On CPU the stream
+   prefills bit-identical; plus pytest of tests/prefill/executor/test_device.py. On CPU the stream
    checks are reported as skipped.
 2. ``prefill`` — prefill time (GPU: 512 / 2K / 8K / 32K tokens) of a plain forward and of
    the executor at each granularity (none, layer, operator, operator with run-time splitting
@@ -15,7 +15,7 @@ skipped with a note; every section prints its elapsed time), one module each und
    overhead %, TFLOP/s, MFU against the GPU's dense bf16 peak.
 3. ``blocking`` — signal → ACK time at random moments of a long prefill, by granularity.
 4. ``operators`` — per-operator times over a token sweep (CUDA events / perf_counter) as the
-   simulator's vidur-format calibration CSV, parsed back by ``flowprefill.sim.vidur``.
+   simulator's vidur-format calibration CSV, parsed back by ``flowprefill.lab.sim.vidur``.
 5. ``urgent`` — TTFT of an urgent short prompt behind a long one through the real engine:
    S-EDF with preemption vs FCFS.
 

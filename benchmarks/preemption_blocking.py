@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.table import Table
 from transformers import PreTrainedModel
 
-from flowprefill.executor.preemption import TaskControl
-from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.models import build_named, load_model, model_names
+from flowprefill.prefill.executor.preemption import TaskControl
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
 
 
 @dataclass

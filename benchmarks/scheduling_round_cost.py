@@ -18,10 +18,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.request import Request
-from flowprefill.scheduler.core import Scheduler
-from flowprefill.scheduler.policies import get_policy
+from flowprefill.prefill.predictor.model import TTFTPredictor
+from flowprefill.prefill.request import Request
+from flowprefill.prefill.scheduler.core import Scheduler
+from flowprefill.prefill.scheduler.policies import get_policy
 
 PREDICTOR = TTFTPredictor(coefficients=[0.004, 2.5e-5, 1.5e-9])  # ~A100 Llama-3-8B shape
 SLOS = [0.25, 0.5, 4.0, 6.0]

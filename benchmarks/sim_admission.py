@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 from flowprefill.contracts.slo import PAPER_PRIORITIES
-from flowprefill.sim.config import SweepConfig, WorkloadSpec
-from flowprefill.sim.search import highest_passing
-from flowprefill.sim.sweep import evaluator
-from flowprefill.sim.systems import get_system, run_system
+from flowprefill.lab.sim.config import SweepConfig, WorkloadSpec
+from flowprefill.lab.sim.search import highest_passing
+from flowprefill.lab.sim.sweep import evaluator
+from flowprefill.lab.sim.systems import get_system, run_system
 
 SYSTEMS = ("flowprefill", "fp-shed", "fp-shed-queue")
 LOADS = (1.0, 1.25, 1.5, 2.0, 3.0)

@@ -5,7 +5,7 @@
 Llama-3-8B on A100 (1 GPU per replica), FlowPrefill engines behind the gateway's
 slack-aware router, the QwenTrace-like class mix with Table 2's SLOs and a 90 %
 attainment target per class (examples/slo-classes.yaml), over one day whose rate follows a
-diurnal curve with bursts (:mod:`flowprefill.sim.diurnal`), time-compressed 60× (the day
+diurnal curve with bursts (:mod:`flowprefill.lab.sim.diurnal`), time-compressed 60× (the day
 lasts 24 simulated minutes; every control-plane duration below is divided by the same
 factor). Four provisioning systems on the same requests:
 
@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flowprefill.autoscale.policy import ScalerSettings
-from flowprefill.sim.autoscalers import (
+from flowprefill.lab.sim.autoscalers import (
     Controller,
     Fixed,
     HPASettings,
@@ -51,11 +51,11 @@ from flowprefill.sim.autoscalers import (
     SloScaler,
     Windows,
 )
-from flowprefill.sim.config import SweepConfig
-from flowprefill.sim.diurnal import DiurnalSpec
-from flowprefill.sim.elastic import ElasticSimulation
-from flowprefill.sim.gateway import get_router
-from flowprefill.sim.systems import build_instance, cached_predict, get_system
+from flowprefill.lab.sim.config import SweepConfig
+from flowprefill.lab.sim.diurnal import DiurnalSpec
+from flowprefill.lab.sim.elastic import ElasticSimulation
+from flowprefill.lab.sim.gateway import get_router
+from flowprefill.lab.sim.systems import build_instance, cached_predict, get_system
 
 ATTAINMENT_TARGET = 0.9
 """Every class's attainmentTarget (examples/slo-classes.yaml)."""
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--judge",
         choices=[j.value for j in Judge],
         default=Judge.DEADLINE.value,
-        help="when the autoscalers see a late request (flowprefill/sim/autoscalers.py)",
+        help="when the autoscalers see a late request (flowprefill/lab/sim/autoscalers.py)",
     )
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a short, light day (smoke run)")

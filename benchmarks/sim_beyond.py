@@ -27,10 +27,10 @@ from concurrent.futures import ProcessPoolExecutor
 from rich.console import Console
 from rich.table import Table
 
-from flowprefill.sim.config import SweepConfig, WorkloadSpec
-from flowprefill.sim.search import highest_passing
-from flowprefill.sim.sweep import evaluator
-from flowprefill.sim.systems import get_system
+from flowprefill.lab.sim.config import SweepConfig, WorkloadSpec
+from flowprefill.lab.sim.search import highest_passing
+from flowprefill.lab.sim.sweep import evaluator
+from flowprefill.lab.sim.systems import get_system
 
 POLICIES = (
     "flowprefill",

@@ -6,7 +6,7 @@ Operator-level preemption blocks an urgent arrival for the rest of the operator 
 flight, and one operator of a long prompt is long (attention of a 32K prompt: 47 ms per
 layer on the A100 model). The engine splits operators predicted longer than
 ``max_blocking_ms`` (default 4 ms) into pieces with a checkpoint between them; the
-simulator models it (flowprefill/sim/split.py, docs/simulator.md "Bounded blocking").
+simulator models it (flowprefill/lab/sim/split.py, docs/simulator.md "Bounded blocking").
 This benchmark runs FlowPrefill (Llama-3-8B, A100 model) at each bound on two workloads:
 
 * ``paper`` — ``flowprefill simulate --systems paper``'s QwenTrace-like workload,
@@ -37,13 +37,13 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from flowprefill.sim.cli import max_blocking_ms
-from flowprefill.sim.config import CostSpec, SweepConfig, WorkloadSpec
-from flowprefill.sim.search import highest_passing
-from flowprefill.sim.split import TilePlan
-from flowprefill.sim.sweep import Evaluator
-from flowprefill.sim.systems import get_system
-from flowprefill.sim.workload import QWEN_TYPES
+from flowprefill.bench.workload import QWEN_TYPES
+from flowprefill.lab.sim.cli import max_blocking_ms
+from flowprefill.lab.sim.config import CostSpec, SweepConfig, WorkloadSpec
+from flowprefill.lab.sim.search import highest_passing
+from flowprefill.lab.sim.split import TilePlan
+from flowprefill.lab.sim.sweep import Evaluator
+from flowprefill.lab.sim.systems import get_system
 
 SYSTEM = "flowprefill"
 PAPER_MAX_MS = 4.5
@@ -120,7 +120,7 @@ class Arm:
     overhead_us: float | None = None
     """Per added checkpoint; None: the cost model's default (10 µs)."""
     tile_plan: TilePlan = "profiled"
-    """How split GEMMs are tiled (flowprefill/executor/tiling.py)."""
+    """How split GEMMs are tiled (flowprefill/prefill/executor/tiling.py)."""
 
     @property
     def label(self) -> str:

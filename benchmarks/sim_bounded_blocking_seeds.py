@@ -28,7 +28,7 @@ from rich.table import Table
 from sim_bounded_blocking import Arm, config, goodput_job, write_long_trace
 from tqdm import tqdm
 
-from flowprefill.sim.config import WorkloadSpec
+from flowprefill.lab.sim.config import WorkloadSpec
 
 ARMS = (Arm(None), Arm(4.0), Arm(4.0, tile_plan="equal"))
 WORKLOADS = ("paper", "long")

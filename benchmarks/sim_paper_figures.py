@@ -18,10 +18,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from flowprefill.sim.config import SweepConfig, WorkloadSpec
-from flowprefill.sim.plots import write_plots
-from flowprefill.sim.report import paper_comparison, print_report, write_json
-from flowprefill.sim.sweep import run_sweep
+from flowprefill.lab.sim.config import SweepConfig, WorkloadSpec
+from flowprefill.lab.sim.plots import write_plots
+from flowprefill.lab.sim.report import paper_comparison, print_report, write_json
+from flowprefill.lab.sim.sweep import run_sweep
 
 WHY = {
     "goodput FlowPrefill / DistServe FCFS": (

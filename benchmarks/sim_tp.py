@@ -32,11 +32,11 @@ from rich.console import Console
 from rich.table import Table
 
 from flowprefill.contracts.slo import paper_ttft_slos_s
-from flowprefill.sim.config import CostSpec, SweepConfig, WorkloadSpec
-from flowprefill.sim.cost import SEGMENTS, TP_CHECK_S, GPUCostModel, build_cost_model
-from flowprefill.sim.report import PaperFigure, paper_comparison, print_report, write_json
-from flowprefill.sim.sweep import SweepResult, SystemOutcome, run_sweep
-from flowprefill.sim.systems import PAPER_SYSTEMS
+from flowprefill.lab.sim.config import CostSpec, SweepConfig, WorkloadSpec
+from flowprefill.lab.sim.cost import SEGMENTS, TP_CHECK_S, GPUCostModel, build_cost_model
+from flowprefill.lab.sim.report import PaperFigure, paper_comparison, print_report, write_json
+from flowprefill.lab.sim.sweep import SweepResult, SystemOutcome, run_sweep
+from flowprefill.lab.sim.systems import PAPER_SYSTEMS
 
 MODEL = "llama3-70b"
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(result, console)
     write_json(result, out / "result.json")
     if not args.no_plots:
-        from flowprefill.sim.plots import write_plots
+        from flowprefill.lab.sim.plots import write_plots
 
         write_plots(result, out)
 

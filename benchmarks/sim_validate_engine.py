@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from flowprefill.backend import profile_executor
-from flowprefill.engine import PrefillEngine
-from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.bench.workload import qwen_like
+from flowprefill.lab.sim.config import CostSpec, SweepConfig
+from flowprefill.lab.sim.validate import compare_with_measured, load_measured
 from flowprefill.models import build_named
-from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.sim.config import CostSpec, SweepConfig
-from flowprefill.sim.validate import compare_with_measured, load_measured
-from flowprefill.sim.workload import qwen_like
+from flowprefill.prefill.engine import PrefillEngine
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
+from flowprefill.prefill.factory import profile_executor
+from flowprefill.prefill.predictor.model import TTFTPredictor
 
 
 def measure_again(

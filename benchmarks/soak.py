@@ -67,7 +67,7 @@ from flowprefill.contracts.metrics import PREFILL_PARKED_BYTES
 
 if TYPE_CHECKING:
     from flowprefill.bench.client import Outcome, SendOptions
-    from flowprefill.request import Request
+    from flowprefill.prefill.request import Request
 
 REFERENCE = ROOT / "docs" / "data" / "stack-vs-vllm-summary.json"
 
@@ -127,7 +127,7 @@ def load_reference(args: argparse.Namespace) -> dict[str, float]:
 
 
 def build_requests(args: argparse.Namespace, slo_s: dict[str, float]) -> list[Request]:
-    from flowprefill.sim.workload import qwen_like
+    from flowprefill.bench.workload import qwen_like
 
     rate = args.rate * args.fraction
     duration_s = args.minutes * 60
@@ -144,8 +144,8 @@ def vocab_size(model_dir: Path) -> int:
 
 
 def profile_here(model_dir: Path, model: str, path: Path, console: Console) -> None:
-    from flowprefill.backend import build_executor, profile_executor
     from flowprefill.contracts import EngineConfig
+    from flowprefill.prefill.factory import build_executor, profile_executor
 
     config = EngineConfig(model_path=str(model_dir))
     with console.status("profiling this machine's prefill"), build_executor(config) as ex:

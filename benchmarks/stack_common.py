@@ -196,10 +196,10 @@ def _is_free(port: int) -> bool:
 
 def vllm_server(name: str, model_dir: Path, out: Path, extra: list[str] | None = None) -> Server:
     """vLLM's OpenAI server alone on this model with this machine's settings (float32,
-    eager: ``flowprefill.local_decode.vllm_server_command``) and vLLM's own defaults otherwise;
+    eager: ``flowprefill.stack.decode.vllm_server_command``) and vLLM's own defaults otherwise;
     ``extra``: more vLLM flags."""
     from flowprefill.contracts.deployment import OFFLINE_ENV
-    from flowprefill.local_decode import vllm_server_command
+    from flowprefill.stack.decode import vllm_server_command
 
     port = free_port()
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(out / "vllm-cache"), **OFFLINE_ENV}

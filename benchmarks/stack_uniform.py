@@ -77,8 +77,8 @@ def main() -> None:
     model_dir = resolve_model_path(args.model)
     profile = Path(args.profile) if args.profile else out / "ttft-profile.json"
     if not args.profile:
-        from flowprefill.backend import build_executor, quick_profile
         from flowprefill.contracts import EngineConfig
+        from flowprefill.prefill.factory import build_executor, quick_profile
 
         with build_executor(EngineConfig(model_path=str(model_dir))) as executor:
             quick_profile(executor, console, model_name=args.model).save(profile)

@@ -53,8 +53,8 @@ from stack_bisect import Bisection, Probe, plot_attainment
 from stack_common import Server, up_server, vllm_server, wait_all
 
 if TYPE_CHECKING:
-    from flowprefill.predictor.model import TTFTPredictor
-    from flowprefill.sim.workload import Workload
+    from flowprefill.bench.workload import Workload
+    from flowprefill.prefill.predictor.model import TTFTPredictor
 
 CHUNK_TOKENS_PAPER = 2048
 """The paper's CP2K baseline: 2K-token chunks at full prompt lengths."""
@@ -85,9 +85,9 @@ class Calibration:
 
 
 def calibrate(predictor: TTFTPredictor, length_scale: float) -> Calibration:
+    from flowprefill.bench.workload import QWEN_TYPES
     from flowprefill.contracts.slo import paper_ttft_slos_s
-    from flowprefill.sim.cost import build_cost_model
-    from flowprefill.sim.workload import QWEN_TYPES
+    from flowprefill.lab.sim.cost import build_cost_model
 
     search = round(next(t.mean for t in QWEN_TYPES if t.name == "search"))
     a100_s = build_cost_model("llama3-8b", "a100").pass_cost([(search, 0)]).total_s
@@ -106,9 +106,9 @@ def calibrate(predictor: TTFTPredictor, length_scale: float) -> Calibration:
 
 def ratio_table(cal: Calibration, predictor: TTFTPredictor, slos_s: dict[str, float]) -> Table:
     """Mean prompt's prefill / class SLO, A100 vs here, per task type."""
+    from flowprefill.bench.workload import QWEN_TYPES
     from flowprefill.contracts.slo import paper_ttft_slos_s
-    from flowprefill.sim.cost import build_cost_model
-    from flowprefill.sim.workload import QWEN_TYPES
+    from flowprefill.lab.sim.cost import build_cost_model
 
     a100 = build_cost_model("llama3-8b", "a100")
     paper = paper_ttft_slos_s()
@@ -257,11 +257,11 @@ def main() -> None:
         if args.systems == ap.get_default("systems"):
             args.systems = "flowprefill,vllm"
 
-    from flowprefill.backend import build_executor, profile_executor
+    from flowprefill.bench import workload as wl
     from flowprefill.contracts import EngineConfig
     from flowprefill.models import resolve_model_path
-    from flowprefill.predictor.model import TTFTPredictor
-    from flowprefill.sim import workload as wl
+    from flowprefill.prefill.factory import build_executor, profile_executor
+    from flowprefill.prefill.predictor.model import TTFTPredictor
 
     console = Console()
     out = Path(args.out).resolve()

@@ -37,12 +37,12 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from flowprefill.backend import build_executor
 from flowprefill.contracts import EngineConfig
-from flowprefill.executor.preemption import TaskControl, activate
-from flowprefill.tp.agreement import SharedTable
-from flowprefill.tp.backend import TPBackend
-from flowprefill.tp.ranks import free_port
+from flowprefill.prefill.executor.preemption import TaskControl, activate
+from flowprefill.prefill.factory import build_executor
+from flowprefill.prefill.tp.agreement import SharedTable
+from flowprefill.prefill.tp.backend import TPBackend
+from flowprefill.prefill.tp.ranks import free_port
 
 
 def _agreement_worker(rank: int, port: int, table: SharedTable, iters: int, out: Any) -> None:

@@ -27,7 +27,7 @@ from rich.table import Table
 
 def serve_and_time(model: Path, run_dir: Path, cap: str, tokens: int, repeats: int) -> list[float]:
     from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV as IDLE_SPIN_ENV
-    from flowprefill.local_decode import decode_env, decode_spec
+    from flowprefill.stack.decode import decode_env, decode_spec
     from tests.helpers import free_port
 
     port = free_port()

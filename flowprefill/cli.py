@@ -17,25 +17,25 @@ Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 
 def _demo() -> Command:
-    from flowprefill import demo
+    from flowprefill.lab import demo
 
     return demo.add_arguments, demo.run
 
 
 def _profile() -> Command:
-    from flowprefill.predictor import cli as profile_cli
+    from flowprefill.prefill.predictor import cli as profile_cli
 
     return profile_cli.add_arguments, profile_cli.run
 
 
 def _simulate() -> Command:
-    from flowprefill.sim import cli as sim_cli
+    from flowprefill.lab.sim import cli as sim_cli
 
     return sim_cli.add_arguments, sim_cli.run
 
 
 def _serve_prefill() -> Command:
-    from flowprefill.server import cli as server_cli
+    from flowprefill.prefill.server import cli as server_cli
 
     return server_cli.add_arguments, server_cli.run
 
@@ -53,7 +53,7 @@ def _bench() -> Command:
 
 
 def _up() -> Command:
-    from flowprefill import up
+    from flowprefill.stack import up
 
     return up.add_arguments, up.run
 

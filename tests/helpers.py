@@ -61,7 +61,7 @@ def start_up(tmp_path: Path, *args: str) -> UpProcess:
     """``flowprefill up --model tiny-llama`` with a linear profile (no profiling run), one
     OpenMP thread per process, its run folder and model cache under ``tmp_path``, and
     ``args``; waits until it says it is up."""
-    from flowprefill.predictor.model import TTFTPredictor
+    from flowprefill.prefill.predictor.model import TTFTPredictor
 
     port = free_port()
     profile = tmp_path / "p.json"
@@ -146,13 +146,13 @@ def local_stack(
     from contextlib import ExitStack
 
     from flowprefill.contracts import Endpoint, GatewayConfig
-    from flowprefill.engine import PrefillEngine
-    from flowprefill.executor.runner import PreemptibleExecutor
     from flowprefill.gateway.app import create_gateway_app
     from flowprefill.gateway.cli import build_state
     from flowprefill.models import load_model
-    from flowprefill.predictor.model import TTFTPredictor
-    from flowprefill.server.prefill import create_app
+    from flowprefill.prefill.engine import PrefillEngine
+    from flowprefill.prefill.executor.runner import PreemptibleExecutor
+    from flowprefill.prefill.predictor.model import TTFTPredictor
+    from flowprefill.prefill.server.prefill import create_app
     from flowprefill.web.errors import BodySizeLimit
 
     with ExitStack() as stack:

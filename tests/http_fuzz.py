@@ -1,6 +1,6 @@
 """Hypothesis strategies and the properties every FlowPrefill HTTP server must keep under
 hostile or broken requests (used by tests/gateway/test_fuzz_http.py and
-tests/server/test_fuzz_http.py).
+tests/prefill/server/test_fuzz_http.py).
 
 Properties checked on every answer:
 

@@ -219,7 +219,7 @@ def test_decode_is_launched_without_request_logging(tmp_path: Path) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from flowprefill.contracts import KVTransport
-    from flowprefill.local_decode import decode_spec
+    from flowprefill.stack.decode import decode_spec
 
     local = decode_spec(tmp_path / "demo-llama", 8200, tmp_path / "kv", transport=KVTransport.HTTP)
     pod = pool_process(

@@ -30,9 +30,9 @@ from flowprefill.contracts.deployment import (
     SLO_TABLE_FILE,
 )
 from flowprefill.contracts.processes import Launcher
-from flowprefill.local_decode import decode_args
-from flowprefill.supervisor import Child
-from flowprefill.up import add_arguments, plan_stack
+from flowprefill.stack.decode import decode_args
+from flowprefill.stack.supervisor import Child
+from flowprefill.stack.up import add_arguments, plan_stack
 
 pytest.importorskip("kopf")
 

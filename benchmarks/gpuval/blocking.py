@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from flowprefill.executor.preemption import TaskControl
-from flowprefill.executor.runner import PreemptibleExecutor
+from flowprefill.prefill.executor.preemption import TaskControl
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from gpuval.common import (
     Context,
     Probe,

@@ -1,4 +1,4 @@
-"""Section 1: CUDA-only correctness of the executor's device layer (flowprefill/executor/
+"""Section 1: CUDA-only correctness of the executor's device layer (flowprefill/prefill/executor/
 device.py) on the real model, and the device tests run by pytest.
 
 On CPU the stream checks are reported as skipped (synchronous ops, no streams); the
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flowprefill.executor.preemption import TaskControl
+from flowprefill.prefill.executor.preemption import TaskControl
 from gpuval.common import (
     ROOT,
     Context,
@@ -28,7 +28,7 @@ from gpuval.common import (
     same_result,
 )
 
-DEVICE_TESTS = ("tests/executor/test_device.py",)
+DEVICE_TESTS = ("tests/prefill/executor/test_device.py",)
 NO_STREAMS = "CPU: synchronous ops, no streams (tested with a fake async backend in test_device.py)"
 COLOURS = {"ok": "green", "failed": "red", "skipped": "yellow", "info": "cyan"}
 

@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
-from flowprefill.executor.preemption import TaskControl
-from flowprefill.executor.runner import PreemptibleExecutor, PrefillOutput
+from flowprefill.prefill.executor.preemption import TaskControl
+from flowprefill.prefill.executor.runner import PreemptibleExecutor, PrefillOutput
 
 START_S = time.perf_counter()
 """From the command line the budget counts from here, importing torch included."""

@@ -1,5 +1,5 @@
 """Section 4: per-operator times of one decoder layer over a token sweep, written as the
-simulator's calibration table (vidur's mlp.csv columns; flowprefill/sim/vidur.py) and
+simulator's calibration table (vidur's mlp.csv columns; flowprefill/lab/sim/vidur.py) and
 checked by parsing it with the simulator's own ``load_tables``."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from flowprefill.sim import vidur
+from flowprefill.lab.sim import vidur
 from gpuval.common import SHAPES, Context, extrapolate_s, free_memory, memory_note, new_table
 
 OPS = (*vidur.VIDUR_OPS, "attention")
@@ -124,7 +124,7 @@ def calibration_row(config: Any, n: int, times: dict[str, list[float]]) -> dict[
 
 
 def write_calibration(path: Path, rows: list[dict[str, Any]]) -> str:
-    """Write the table; returns who wrote it. ``flowprefill.sim.vidur.write_calibration``
+    """Write the table; returns who wrote it. ``flowprefill.lab.sim.vidur.write_calibration``
     is used when this build has it (and accepts ``(path, rows)``), else the same columns
     are written here."""
     writer = getattr(vidur, "write_calibration", None)
@@ -132,11 +132,11 @@ def write_calibration(path: Path, rows: list[dict[str, Any]]) -> str:
         try:
             writer(path, rows)
             parse_with_simulator(path)
-            return "flowprefill.sim.vidur.write_calibration"
+            return "flowprefill.lab.sim.vidur.write_calibration"
         except Exception as err:  # a different signature: fall back to our own columns
             fallback = f"written here (write_calibration(path, rows) failed: {err})"
     else:
-        fallback = "written here (flowprefill.sim.vidur has no write_calibration)"
+        fallback = "written here (flowprefill.lab.sim.vidur has no write_calibration)"
     with path.open("w", newline="") as handle:
         out = csv.DictWriter(handle, fieldnames=list(rows[0]))
         out.writeheader()
@@ -205,7 +205,7 @@ def section_operators(ctx: Context, rec: dict[str, Any], deadline: float) -> Non
     for r in rec["median_ms"]:
         table.add_row(str(r["tokens"]), *(f"{r[op]:.3f}" for op in OPS))
     ctx.console.print(table)
-    ctx.console.print(f"[dim]{rec['written_by']}; parsed by flowprefill.sim.vidur[/dim]")
+    ctx.console.print(f"[dim]{rec['written_by']}; parsed by flowprefill.lab.sim.vidur[/dim]")
     compare_with_a100(ctx, rec, rows)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from flowprefill.executor.preemption import TaskControl
+from flowprefill.prefill.executor.preemption import TaskControl
 from gpuval.common import (
     Context,
     executor_for,

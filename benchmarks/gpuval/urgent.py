@@ -1,5 +1,5 @@
 """Section 5: TTFT of an urgent short prompt that arrives while a long prefill runs, through
-the real engine (flowprefill/engine.py: scheduler loop, execution pool, executor):
+the real engine (flowprefill/prefill/engine.py: scheduler loop, execution pool, executor):
 S-EDF with preemption at each granularity vs FCFS (which never preempts)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import statistics
 import time
 from typing import Any
 
-from flowprefill.engine import PrefillEngine
-from flowprefill.executor.preemption import TaskControl
-from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.prefill.engine import PrefillEngine
+from flowprefill.prefill.executor.preemption import TaskControl
+from flowprefill.prefill.predictor.model import TTFTPredictor
 from gpuval.common import Context, executor_for, free_memory, memory_note, new_table
 
 URGENT_SLO_S = 0.25  # the paper's text class on Llama-3-8B (Table 2)

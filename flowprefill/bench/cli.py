@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _slo_table(spec: str) -> dict[str, float]:
-    from flowprefill.sim.workload import get_slo_table
+    from flowprefill.bench.workload import get_slo_table
 
     path = Path(spec)
     if path.suffix == ".json":
@@ -123,10 +123,10 @@ def _tbt_slos(spec: str, classes: list[str]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    from flowprefill.bench import workload as wl
     from flowprefill.bench.client import SendOptions, replay
     from flowprefill.bench.report import goodput, summarize, table, write
-    from flowprefill.sim import workload as wl
-    from flowprefill.sim.traces import load_trace
+    from flowprefill.bench.traces import load_trace
 
     console = Console()
     try:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from flowprefill.contracts.deployment import SLO_CLASS_HEADER
-from flowprefill.request import Request
+from flowprefill.prefill.request import Request
 
 
 @dataclass(slots=True)

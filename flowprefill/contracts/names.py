@@ -119,7 +119,7 @@ class Role(Name):
 
 
 class RankCommand(Name):
-    """What a tensor-parallel leader sends its follower ranks (flowprefill/tp/ranks.py):
+    """What a tensor-parallel leader sends its follower ranks (flowprefill/prefill/tp/ranks.py):
     ``(command, *args)`` tuples over one pipe per follower."""
 
     SUBMIT = "submit"  # (key, slot, prompts)

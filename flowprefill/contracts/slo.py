@@ -28,6 +28,19 @@ PAPER_TTFT_SLOS_S: dict[str, dict[str, float]] = {
     "llama3-70b": {"text": 1.0, "image": 2.0, "search": 15.0, "file": 18.0},
 }
 PAPER_TBT_SLOS_S: dict[str, float] = {"text": 0.1, "image": 0.1, "search": 0.2, "file": 0.2}
+
+
+def deadline_s(arrival_s: float, ttft_slo_s: float) -> float:
+    """When a request's first token is due: its gateway arrival plus its TTFT target."""
+    return arrival_s + ttft_slo_s
+
+
+def met_slo(ttft_s: float, ttft_slo_s: float) -> bool:
+    """Whether a first token ``ttft_s`` after the gateway arrival met the TTFT target; every
+    process (gateway, prefill engine, simulator) judges attainment with this function."""
+    return ttft_s <= ttft_slo_s
+
+
 """§6.5 (the PD-colocated evaluation): time-between-tokens SLO per task type, seconds, the
 same for every model. ``flowprefill bench`` judges each request's every inter-token gap
 against it (docs/bench.md). Not scaled with the TTFT SLOs."""

@@ -1,7 +1,7 @@
 """Admission at arrival: refuse early what cannot be served in time (issue 12 §2).
 
 One pure decision, called by the gateway (:meth:`flowprefill.gateway.routing.InstancePool.admit`)
-and by the simulator's ``shed-*`` admission policies (:mod:`flowprefill.sim.gateway`), so
+and by the simulator's ``shed-*`` admission policies (:mod:`flowprefill.lab.sim.gateway`), so
 the policy measured in simulation is the one that serves:
 
 * A class with a negative ``priority`` is *sheddable* (the SLOClass CRD's contract). Any

@@ -44,7 +44,7 @@ def build_state(
     from flowprefill.gateway.transport import make_upstream_http
     from flowprefill.gateway.upstream import DecodeClient, PrefillClient
     from flowprefill.models import resolve_model_path
-    from flowprefill.predictor.model import TTFTPredictor
+    from flowprefill.prefill.predictor.model import TTFTPredictor
 
     model_dir = resolve_model_path(config.tokenizer_path or config.model_name)
     hf_tok = AutoTokenizer.from_pretrained(model_dir)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flowprefill.contracts import SLOTableClass
+from flowprefill.contracts import slo as slo_contract
 from flowprefill.contracts.deployment import (
     SLO_OBJECTIVE_HEADER,
     SLO_PRIORITY_HEADER,
@@ -58,13 +59,13 @@ class Job:
 
     @property
     def deadline_s(self) -> float:
-        return self.arrival_s + self.ttft_slo_s
+        return slo_contract.deadline_s(self.arrival_s, self.ttft_slo_s)
 
     def elapsed_s(self, now_s: float) -> float:
         return max(0.0, now_s - self.arrival_s)
 
     def met_slo(self, ttft_s: float) -> bool:
-        return ttft_s <= self.ttft_slo_s
+        return slo_contract.met_slo(ttft_s, self.ttft_slo_s)
 
     def upstream_hints(self, now_s: float) -> dict[str, str]:
         """llm-d / Dynamo-style headers for upstreams that understand them: the class, the

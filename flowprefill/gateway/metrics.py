@@ -17,7 +17,7 @@ from flowprefill.contracts.metrics import (
 )
 from flowprefill.gateway.classify import Refusal
 from flowprefill.gateway.errors import GatewayError
-from flowprefill.metrics import TTFT_BUCKETS_S
+from flowprefill.prefill.metrics import TTFT_BUCKETS_S
 
 
 class GatewayMetrics:

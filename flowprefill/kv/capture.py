@@ -40,7 +40,7 @@ def layers_from_cache(cache: Any, batch_index: int = 0) -> list[tuple[torch.Tens
 class ReferencePrefill:
     """What :func:`reference_prefill` returns: the hand-off, the greedy first token and the
     logits it was sampled from (the engine's own result is
-    :class:`flowprefill.engine.PrefillResult`)."""
+    :class:`flowprefill.prefill.engine.PrefillResult`)."""
 
     handoff: KVHandoff
     first_token_id: int

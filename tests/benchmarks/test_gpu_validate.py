@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from flowprefill.sim import vidur
+from flowprefill.lab.sim import vidur
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ def test_quick_cpu_run_writes_sane_results_and_a_calibration_the_simulator_reads
         assert f"time_stats.{op}.median" in header
     assert {"num_tokens", "num_tensor_parallel_workers"} <= set(header)
     operators = importlib.import_module("gpuval.operators")
-    table = operators.parse_with_simulator(path)[1]  # flowprefill.sim.vidur's own parser
+    table = operators.parse_with_simulator(path)[1]  # flowprefill.lab.sim.vidur's own parser
     assert list(table.num_tokens) == [1, 16, 64, 256, 1024]
     assert all(table.time_ms(op, 100) > 0 for op in vidur.VIDUR_OPS)
 

@@ -151,7 +151,7 @@ def test_a_tiny_soak_of_a_prefill_only_stack(tmp_path: Path) -> None:
     """``up --decode 0`` with the tiny model: the output's structure, and not one request
     the gateway and the client count differently."""
     pytest.importorskip("psutil")
-    from flowprefill.predictor.model import TTFTPredictor
+    from flowprefill.prefill.predictor.model import TTFTPredictor
 
     profile = tmp_path / "p.json"
     TTFTPredictor.linear(2e-5).save(profile)

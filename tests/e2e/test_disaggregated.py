@@ -26,16 +26,16 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from flowprefill.contracts import Endpoint, GatewayConfig
-from flowprefill.engine import PrefillEngine
-from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.gateway.app import create_gateway_app
 from flowprefill.gateway.cli import build_state
 from flowprefill.gateway.routing import Instance
-from flowprefill.local_decode import decode_env, decode_spec
 from flowprefill.models import load_model, named_model_dir
-from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.server.kv_sink import directory_sink
-from flowprefill.server.prefill import create_app
+from flowprefill.prefill.engine import PrefillEngine
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
+from flowprefill.prefill.predictor.model import TTFTPredictor
+from flowprefill.prefill.server.kv_sink import directory_sink
+from flowprefill.prefill.server.prefill import create_app
+from flowprefill.stack.decode import decode_env, decode_spec
 from tests.helpers import free_port, serve_in_thread
 
 pytestmark = [
@@ -431,9 +431,9 @@ def test_dead_decode_instance_fails_in_flight_and_is_routed_around(stack: dict[s
 def tp_gateway(stack: dict[str, Any]) -> Iterator[str]:
     """A second gateway in front of a TP=2 prefill instance (rank 0 here, rank 1 spawned)
     and the same vLLM decode."""
-    from flowprefill.backend import model_config_of
     from flowprefill.contracts import EngineConfig
-    from flowprefill.tp.backend import TPBackend
+    from flowprefill.prefill.factory import model_config_of
+    from flowprefill.prefill.tp.backend import TPBackend
 
     tmp = stack["tmp"]
     config = EngineConfig(model_path=stack["model_dir"], tp_size=2, num_threads=1)

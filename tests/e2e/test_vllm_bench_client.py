@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from flowprefill.models import named_model_dir
-from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.prefill.predictor.model import TTFTPredictor
 from tests.helpers import free_port
 
 pytestmark = [

@@ -27,7 +27,7 @@ from flowprefill.contracts import Endpoint, GatewayConfig
 from flowprefill.gateway.app import create_gateway_app
 from flowprefill.gateway.cli import build_state
 from flowprefill.models import named_model_dir
-from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.prefill.predictor.model import TTFTPredictor
 from tests.gateway.test_failover import TABLE, wait_ready
 from tests.helpers import free_port, serve_in_thread
 

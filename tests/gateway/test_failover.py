@@ -23,7 +23,7 @@ from flowprefill.gateway.app import create_gateway_app
 from flowprefill.gateway.cli import build_state
 from flowprefill.gateway.state import GatewayState
 from flowprefill.models import named_model_dir
-from flowprefill.predictor.model import TTFTPredictor
+from flowprefill.prefill.predictor.model import TTFTPredictor
 from tests.helpers import free_port, serve_in_thread
 
 TABLE = {

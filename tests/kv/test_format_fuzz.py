@@ -34,7 +34,7 @@ from flowprefill.kv import (
     write_handoff,
 )
 from flowprefill.kv.format import KVHandoff, parse_file_header
-from flowprefill.server.kv_http import create_kv_app
+from flowprefill.prefill.server.kv_http import create_kv_app
 from tests.helpers import serve_in_thread
 
 FP = ModelFingerprint("llama", 2, 2, 8, 32, 100, 10000.0)

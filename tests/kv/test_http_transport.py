@@ -22,19 +22,19 @@ import torch
 
 from flowprefill.contracts.deployment import KV_ADVERTISE_URL_ENV as ADVERTISE_URL_ENV
 from flowprefill.contracts.kv import HandoffRef, check_source_url, kv_transfer_config
-from flowprefill.engine import PrefillEngine
 from flowprefill.errors import KVFormatError, KVHandoffError, KVNotFoundError
-from flowprefill.executor.runner import PreemptibleExecutor
 from flowprefill.kv import (
     HTTPPullTransport,
     SharedDirTransport,
     make_transport,
 )
 from flowprefill.models import build_named
-from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.server.kv_http import create_kv_app
-from flowprefill.server.kv_sink import advertise_url, directory_sink
-from flowprefill.server.prefill import create_app
+from flowprefill.prefill.engine import PrefillEngine
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
+from flowprefill.prefill.predictor.model import TTFTPredictor
+from flowprefill.prefill.server.kv_http import create_kv_app
+from flowprefill.prefill.server.kv_sink import advertise_url, directory_sink
+from flowprefill.prefill.server.prefill import create_app
 from tests.helpers import serve_in_thread
 
 

@@ -22,14 +22,14 @@ import httpx
 import pytest
 
 from flowprefill.contracts.kv import HandoffRef
-from flowprefill.engine import PrefillEngine
-from flowprefill.executor.runner import PreemptibleExecutor
-from flowprefill.local_decode import decode_env, decode_spec
 from flowprefill.models import load_model
-from flowprefill.predictor.model import TTFTPredictor
-from flowprefill.server.kv_http import create_kv_app
-from flowprefill.server.kv_sink import directory_sink
-from flowprefill.server.prefill import create_app
+from flowprefill.prefill.engine import PrefillEngine
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
+from flowprefill.prefill.predictor.model import TTFTPredictor
+from flowprefill.prefill.server.kv_http import create_kv_app
+from flowprefill.prefill.server.kv_sink import directory_sink
+from flowprefill.prefill.server.prefill import create_app
+from flowprefill.stack.decode import decode_env, decode_spec
 from tests.helpers import free_port, serve_in_thread, silent_server
 
 pytestmark = [

@@ -20,7 +20,7 @@ import flowprefill.contracts.metrics as metric_names
 from flowprefill.contracts.slo import SLOTable
 from flowprefill.gateway.metrics import GatewayMetrics
 from flowprefill.gateway.slo_targets import export_slo_targets
-from flowprefill.metrics import EngineMetrics
+from flowprefill.prefill.metrics import EngineMetrics
 from tests.operator.chart import CHART, render
 
 DASHBOARD = CHART / "files" / "grafana-dashboard.json"

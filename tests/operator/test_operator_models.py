@@ -311,8 +311,8 @@ def test_engine_settings_offer_exactly_the_engines_policies() -> None:
 
     from flowprefill_operator.models.servingpool import Batching, Policy
 
-    from flowprefill.scheduler.batching import BATCHING
-    from flowprefill.scheduler.policies import POLICIES
+    from flowprefill.prefill.scheduler.batching import BATCHING
+    from flowprefill.prefill.scheduler.policies import POLICIES
 
     assert set(get_args(Batching)) == set(BATCHING)
     assert set(get_args(Policy)) == set(POLICIES)

@@ -195,7 +195,7 @@ def test_slow_clients_do_not_block_others(server: tuple[str, int, dict[str, int]
     assert max(elapsed for elapsed, _ in results) < max(HEADER_TIMEOUT_S, BODY_TIMEOUT_S) + 2
 
 
-@pytest.mark.parametrize("module", ["flowprefill.server.cli", "flowprefill.gateway.cli"])
+@pytest.mark.parametrize("module", ["flowprefill.prefill.server.cli", "flowprefill.gateway.cli"])
 def test_the_servers_take_the_limits_as_flags(module: str) -> None:
     import argparse
     import importlib

@@ -1,0 +1,230 @@
+"""Gateway-side decisions the simulator can try: admission (shedding) and routing.
+
+Both read an instance's scheduler queues and the scheduler's own ``predict_s``; neither
+changes how an instance schedules. All are named, so an experiment is a config change.
+
+Admission (per instance, at arrival, before the request joins ``Q_w``):
+
+* ``none`` — admit everything (the paper).
+* ``shed-infeasible`` — reject a request whose slack is already negative at arrival:
+  ``deadline − now − predict_s(n) < 0`` even on an idle device. The gateway learns it at
+  once and can answer early or reroute instead of letting it wait to miss.
+* ``shed-queue`` — also count the work queued ahead of it: the remaining tokens of every
+  runnable entry with an earlier deadline that is not already late, predicted as one batch
+  together with the new request (optimistic, so only clearly doomed requests go). This is
+  the gateway's estimate (:meth:`flowprefill.gateway.routing.InstancePool.admit`), here
+  read from the instance's queues.
+
+Both shed only *sheddable* classes — a negative priority, as in the SLOClass CRD — and
+decide with the gateway's own function (:func:`flowprefill.gateway.admission.decide`) on
+the instance the router chose (:data:`SIM_PRIORITIES`: the paper's task types with
+``file`` sheddable, unless a run says otherwise). Built without priorities, every class
+is sheddable (the earlier experiment).
+
+Routing (across ``--instances`` prefill instances), by the gateway's names and rules
+(:class:`flowprefill.gateway.routing.InstancePool`):
+
+* ``round-robin`` — the baseline.
+* ``least-loaded`` — the instance with the fewest requests in flight.
+* ``slack-aware`` — the instance where the new request's predicted slack is largest:
+  ``deadline − now − predict_s(tokens due no later than it + its own)``, counting every
+  runnable entry due no later than it, late or not, as the gateway does. Ties (the
+  request would run first on either instance) go to the instance with less outstanding
+  work; the gateway rotates among ties instead, which loses 12–14 % goodput here
+  (docs/simulator.md, "Beyond the paper").
+
+The simulator sees the instances' queues where the gateway tracks what it sent, so a
+running task counts only its remaining tokens here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from flowprefill.contracts import names
+from flowprefill.contracts.slo import PAPER_PRIORITIES
+from flowprefill.gateway.admission import (
+    Estimate,
+    Refuse,
+    decide,
+    is_sheddable,
+    predicted_finish_s,
+)
+from flowprefill.prefill.request import Request, Task
+from flowprefill.prefill.scheduler.core import Scheduler
+
+
+class InstanceView(Protocol):
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+
+def _remaining_tokens(item: Request | Task) -> float:
+    if isinstance(item, Request):
+        return float(item.num_tokens)
+    return item.num_tokens * max(0.0, 1.0 - item.progress)
+
+
+def _num_requests(item: Request | Task) -> int:
+    return 1 if isinstance(item, Request) else len(item.requests)
+
+
+def tokens_ahead(scheduler: Scheduler, request: Request, now_s: float, *, skip_late: bool) -> float:
+    """Remaining tokens of runnable entries due no later than ``request``; with
+    ``skip_late``, not those already late (S-EDF sinks them below every feasible one)."""
+    total = 0.0
+    for item in scheduler.runnable():
+        rank = scheduler.rank_input(item)
+        if rank.deadline_s > request.deadline_s:
+            continue
+        if skip_late and rank.deadline_s - now_s - rank.predicted_remaining_s < 0:
+            continue
+        total += _remaining_tokens(item)
+    return total
+
+
+def outstanding_tokens(scheduler: Scheduler) -> float:
+    return sum(_remaining_tokens(item) for item in scheduler.runnable())
+
+
+def num_in_flight(scheduler: Scheduler) -> int:
+    return sum(_num_requests(item) for item in scheduler.runnable())
+
+
+def queue_aware_slack_s(
+    scheduler: Scheduler, request: Request, now_s: float, *, skip_late: bool
+) -> float:
+    """``request``'s predicted slack behind the work :func:`tokens_ahead` counts."""
+    ahead = tokens_ahead(scheduler, request, now_s, skip_late=skip_late)
+    return request.deadline_s - now_s - scheduler.predict_s(round(ahead) + request.num_tokens)
+
+
+SIM_PRIORITIES: dict[str, int] = {**PAPER_PRIORITIES, "file": -10}
+"""Class priorities of the simulator's shedding systems: the paper's, with ``file`` (the
+least urgent task type, 4 % of requests, 14 % of the tokens) sheddable."""
+
+
+def sheddable_classes(priorities: Mapping[str, int]) -> frozenset[str]:
+    return frozenset(c for c, p in priorities.items() if is_sheddable(p))
+
+
+class Admission(Protocol):
+    name: names.Admission
+
+    def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool: ...
+
+
+class _Shed(ABC):
+    """Admission by :func:`~flowprefill.gateway.admission.decide` on one instance;
+    ``sheddable``: the classes it may refuse (None: every class)."""
+
+    def __init__(self, sheddable: frozenset[str] | None = None) -> None:
+        self.sheddable = sheddable
+
+    @abstractmethod
+    def finish_s(self, request: Request, scheduler: Scheduler, now_s: float) -> float:
+        """When ``request``'s first token is predicted on the instance of ``scheduler``."""
+
+    def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool:
+        sheddable = self.sheddable is None or request.slo_class in self.sheddable
+        if not sheddable:
+            return True
+        estimate = Estimate(0, self.finish_s(request, scheduler, now_s))
+        decision = decide(
+            sheddable=True, deadline_s=request.deadline_s, estimates=[estimate], preferred=0
+        )
+        return not isinstance(decision, Refuse)
+
+
+class AdmitAll:
+    name = names.Admission.NONE
+
+    def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool:
+        return True
+
+
+class ShedInfeasible(_Shed):
+    name = names.Admission.SHED_INFEASIBLE
+
+    def finish_s(self, request: Request, scheduler: Scheduler, now_s: float) -> float:
+        return predicted_finish_s(now_s, 0.0, request.num_tokens, scheduler.predict_s)
+
+
+class ShedQueue(_Shed):
+    name = names.Admission.SHED_QUEUE
+
+    def finish_s(self, request: Request, scheduler: Scheduler, now_s: float) -> float:
+        ahead = tokens_ahead(scheduler, request, now_s, skip_late=True)
+        return predicted_finish_s(now_s, ahead, request.num_tokens, scheduler.predict_s)
+
+
+ADMISSIONS: dict[names.Admission, type[Admission]] = {
+    a.name: a for a in (AdmitAll, ShedInfeasible, ShedQueue)
+}
+
+
+def get_admission(
+    name: str | names.Admission, priorities: Mapping[str, int] | None = None
+) -> Admission:
+    """Build an admission policy by name, parsed by :meth:`names.Admission.parse`; a
+    shedding one refuses only the classes ``priorities`` marks sheddable (None: any)."""
+    kind = ADMISSIONS[names.Admission.parse(name)]
+    if kind is AdmitAll:
+        return AdmitAll()
+    sheddable = None if priorities is None else sheddable_classes(priorities)
+    return kind(sheddable)  # type: ignore[call-arg]
+
+
+class Router(Protocol):
+    name: names.Router
+
+    def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
+        """Index of the instance that gets ``request``."""
+        ...
+
+
+class RoundRobin:
+    name = names.Router.ROUND_ROBIN
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
+        return next(self._next) % len(instances)
+
+
+class LeastLoaded:
+    name = names.Router.LEAST_LOADED
+
+    def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
+        loads = [num_in_flight(x.scheduler) for x in instances]
+        return loads.index(min(loads))
+
+
+class SlackRouter:
+    name = names.Router.SLACK_AWARE
+
+    def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
+        # Ties (e.g. the request would preempt whatever runs on either instance) go to the
+        # instance with less outstanding work: it has less to block on and to catch up.
+        keys = [
+            (
+                queue_aware_slack_s(x.scheduler, request, now_s, skip_late=False),
+                -outstanding_tokens(x.scheduler),
+            )
+            for x in instances
+        ]
+        return keys.index(max(keys))
+
+
+ROUTERS: dict[names.Router, type[Router]] = {
+    r.name: r for r in (SlackRouter, RoundRobin, LeastLoaded)
+}
+
+
+def get_router(name: str | names.Router) -> Router:
+    """Build a router by name, parsed by :meth:`names.Router.parse`."""
+    return ROUTERS[names.Router.parse(name)]()

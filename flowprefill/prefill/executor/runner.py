@@ -1,0 +1,468 @@
+"""The preemptible prefill executor: a batch of prompts in, first tokens and KV caches out.
+
+One forward pass (or one per chunk) runs the whole batch; preemption checkpoints fire from
+hooks inside it. A task that is preempted parks its thread *inside* the forward pass, so
+resuming continues the same Python frame with every tensor untouched: the result of a
+preempted-and-resumed prefill is bit-identical to an uninterrupted one.
+
+Typical use by the execution pool, one thread per task::
+
+    executor = PreemptibleExecutor(model, granularity="operator", chunk_size=None)
+    control = TaskControl(name="batch-7")
+    outputs = executor.run(prompts, control)     # on the task's thread
+    # meanwhile the scheduler thread: control.request_preempt(); ...; control.resume()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch.utils.hooks import RemovableHandle
+from transformers import DynamicCache, PreTrainedModel
+
+from flowprefill.contracts.names import Granularity, Kernels
+from flowprefill.errors import InvalidRequestError
+from flowprefill.prefill.executor.attention import packed_segments
+from flowprefill.prefill.executor.attention import register as register_packed_attention
+from flowprefill.prefill.executor.calibration import calibrate
+from flowprefill.prefill.executor.checkpoints import (
+    NoBoundariesError,
+    check_granularity,
+    describe,
+    find_decoder_layers,
+    install_checkpoints,
+)
+from flowprefill.prefill.executor.device import (
+    DeviceBackend,
+    SyncMode,
+    backend_for,
+    boundary_fn,
+    check_sync_mode,
+    per_check_sync,
+)
+from flowprefill.prefill.executor.kernels import (
+    FastLinearHandle,
+    fast_kernels,
+    install_fast_linears,
+    resolve_kernels,
+)
+from flowprefill.prefill.executor.memory import (
+    ParkedFootprint,
+    measure_current_thread,
+    weight_storages,
+)
+from flowprefill.prefill.executor.packing import PackedBatch, chunk_segments, chunk_spans, pack
+from flowprefill.prefill.executor.preemption import TaskControl, activate, current_control
+from flowprefill.prefill.executor.splitting import (
+    Event,
+    SplitHandle,
+    SplitPolicy,
+    SplitRates,
+    TraceRecorder,
+    count_checkpoints,
+    hooked,
+    install_split_operators,
+    record_trace,
+    splitting,
+)
+
+PromptLike = Sequence[int] | torch.Tensor
+KVGather = Callable[
+    [list[tuple[torch.Tensor, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]
+]
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    """Result of one request's prefill.
+
+    ``kv_cache[layer] = (key, value)``, each ``[num_kv_heads, num_tokens, head_dim]`` with
+    RoPE applied (as the model stores them). For a batch they are *views* into the batch's
+    cache tensors (no copy on the critical path); ``.contiguous()`` or ``.clone()`` them
+    to get independent storage.
+    """
+
+    first_token_id: int
+    logits: torch.Tensor  # [vocab_size] float32, last prompt position
+    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]
+    num_prompt_tokens: int
+
+
+class PreemptibleExecutor:
+    """Runs batched prefills of one model with preemption checkpoints installed.
+
+    Thread-safe in the sense the pool needs: several task threads may each be inside
+    :meth:`run` (all but one parked); they share the weights and hooks, and each has its
+    own cache, control and stream.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        granularity: str | Granularity = Granularity.OPERATOR,
+        chunk_size: int | None = None,
+        device: str | torch.device | None = None,
+        sync: str = "every_check",
+        backend: DeviceBackend | None = None,
+        kernels: str | Kernels | None = None,
+        kv_gather: KVGather | None = None,
+        max_blocking_ms: float | None = None,
+        split_rates: SplitRates | None = None,
+    ) -> None:
+        """``sync`` (``every_check`` | ``on_preempt``) only matters on CUDA; see
+        :mod:`flowprefill.prefill.executor.device` for the trade-off. ``backend`` overrides the
+        stream backend chosen from ``device`` (tests use a fake one).
+
+        ``kernels``: ``"fast"`` (the default, also for None) runs the decoder's float32 CPU
+        linears through oneDNN on prepacked weights (see
+        :mod:`flowprefill.prefill.executor.kernels`);
+        ``"reference"`` runs the model's own modules, so a single prompt's KV cache is
+        bit-identical to calling the model directly. The executor reads no environment:
+        :meth:`~flowprefill.contracts.EngineConfig.resolved_kernels` applies
+        ``$FLOWPREFILL_KERNELS``.
+        Either way a resumed prefill is bit-identical to an uninterrupted one.
+
+        ``kv_gather`` (tensor parallelism) maps the batch's per-layer ``(key, value)``,
+        each ``[1, kv_heads_here, tokens, head_dim]``, to the ones the outputs carry: rank 0
+        gathers every rank's heads (:func:`flowprefill.prefill.tp.ranks.gather_kv_heads`).
+
+        ``max_blocking_ms`` (operator granularity only; None: never split): operators
+        predicted to run longer between two checkpoints are split at run time
+        (:mod:`flowprefill.prefill.executor.splitting`); the prediction's rates are ``split_rates``,
+        measured here when None (:meth:`set_split_rates` replaces them, e.g. with rank 0's
+        under tensor parallelism)."""
+        granularity = check_granularity(granularity)
+        self.kernels = resolve_kernels(kernels)
+        self.sync_mode: SyncMode = check_sync_mode(sync)
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+        self.device = torch.device(device) if device is not None else model.device
+        # nn.Module.to directly: transformers' typing of PreTrainedModel.to confuses mypy.
+        torch.nn.Module.to(model, self.device)
+        self.model = model.eval()
+        self.backend = backend if backend is not None else backend_for(self.device)
+        self.backend.prepare()
+        self.granularity = granularity
+        self.chunk_size = chunk_size
+        self._kv_gather = kv_gather
+        self._on_boundary = boundary_fn(self.backend, self.sync_mode)
+        # Attention runs per request segment (see executor/attention.py); restored by close().
+        self._original_attention = model.config._attn_implementation
+        model.set_attn_implementation(register_packed_attention())
+        try:
+            # Hooks also start a new stretch for operator splitting (a no-op without it).
+            self._handle = install_checkpoints(
+                model, granularity, on_boundary=hooked(self._on_boundary)
+            )
+        except BaseException:
+            model.set_attn_implementation(self._original_attention)
+            raise
+        # After the checkpoints: installing those refuses a model another executor holds.
+        self._linears = FastLinearHandle()
+        if self.kernels is Kernels.FAST:
+            try:
+                self._linears = install_fast_linears(find_decoder_layers(model)[1])
+            except NoBoundariesError:
+                pass  # no decoder stack found: run the model's own linears
+            except BaseException:
+                self._handle.remove()
+                model.set_attn_implementation(self._original_attention)
+                raise
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_prompt_tokens = int(config.max_position_embeddings)
+        self.num_layers = int(config.num_hidden_layers)
+        self._split = SplitHandle()
+        self._split_policy: SplitPolicy | None = None
+        self._trace: list[Event] = []
+        self._recorder: TraceRecorder | None = None
+        self._entry_hooks: list[RemovableHandle] = []
+        if max_blocking_ms is not None and granularity is Granularity.OPERATOR:
+            try:
+                self._install_splitting(model, max_blocking_ms, split_rates)
+            except BaseException:
+                self.close()
+                raise
+        # After every install: prepacked weights are module attributes, not a task's.
+        self._weights = weight_storages(model)
+        self.footprint = ParkedFootprint.of_model(config, next(model.parameters()).dtype)
+        """Bounds what a parked task holds (the scheduler's parked-memory budget)."""
+
+    def _install_splitting(
+        self, model: PreTrainedModel, max_blocking_ms: float, rates: SplitRates | None
+    ) -> None:
+        if not max_blocking_ms > 0:
+            raise ValueError(f"max_blocking_ms must be positive, got {max_blocking_ms}")
+        config = model.config
+        self._split = install_split_operators(
+            find_decoder_layers(model)[1],
+            top_k=int(getattr(config, "num_experts_per_tok", 1) or 1),
+        )
+        if rates is None:
+            heads, head_dim = _attention_shape(model)
+            rates = calibrate(
+                self._split,
+                heads,
+                head_dim,
+                self.device,
+                next(model.parameters()).dtype,
+                lambda: self.backend.synchronize(None),
+                max_blocking_s=max_blocking_ms / 1000.0,
+            )
+        # A checkpoint at the entry of every decoder layer: the first layer's is the only
+        # one after the embedding (a pass's prologue no longer shares a stretch with layer
+        # 0's first operators); the others fall right after down_proj's and cost a call.
+        boundary = hooked(self._on_boundary)
+
+        def entry(_module: torch.nn.Module, _args: object) -> None:
+            boundary()
+
+        layers = find_decoder_layers(model)[1]
+        self._entry_hooks = [layer.register_forward_pre_hook(entry) for layer in layers]
+        # The order of operators and hooks in one forward, for expected_checkpoints.
+        self._recorder = TraceRecorder()
+        try:
+            self.prefill([[0] * 4])
+        finally:
+            self._trace, self._recorder = self._recorder.events, None
+        self._split_policy = SplitPolicy(max_blocking_ms / 1000.0, rates)
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def num_checkpoints_per_forward(self) -> int:
+        return self._handle.num_checkpoints_per_forward
+
+    @property
+    def placed_checkpoints(self) -> list[str]:
+        """Labels of the installed checkpoints in firing order (one forward)."""
+        return describe(self._handle.placed)
+
+    @property
+    def split_policy(self) -> SplitPolicy | None:
+        """The bound and rates operators are split by; None when nothing is split."""
+        return self._split_policy
+
+    def set_split_rates(self, rates: SplitRates) -> None:
+        """Predict with ``rates`` from now on (tensor parallelism: rank 0's, on every rank,
+        so all ranks split alike). Call before any task runs."""
+        if self._split_policy is None:
+            raise RuntimeError("this executor does not split operators (max_blocking_ms unset)")
+        self._split_policy = SplitPolicy(self._split_policy.max_blocking_s, rates)
+
+    def estimate_parked_bytes(self, num_tokens: int, num_requests: int = 1) -> int:
+        """Most bytes a task of ``num_tokens`` prompt tokens holds while parked."""
+        return self.footprint.bytes_for(num_tokens, num_requests)
+
+    def expected_checkpoints(self, prompt_lengths: Sequence[int]) -> int:
+        """Checkpoints one prefill of these prompts passes: hooks per chunk, those split
+        operators add, and one between consecutive chunks."""
+        spans = chunk_spans(sum(prompt_lengths), self.chunk_size)
+        total = len(spans) * self.num_checkpoints_per_forward + (len(spans) - 1)
+        if self._split_policy is not None:
+            total += len(spans) * len(self._entry_hooks)
+            starts = [sum(prompt_lengths[:i]) for i in range(len(prompt_lengths))]
+            for start, end in spans:
+                segments = chunk_segments(starts, prompt_lengths, start, end)
+                total += count_checkpoints(self._split_policy, self._trace, end - start, segments)
+        return total
+
+    # ------------------------------------------------------------- validation
+
+    def validate(self, prompts: Sequence[PromptLike]) -> list[torch.Tensor]:
+        """Check every prompt; return them as 1-D int64 CPU tensors.
+
+        Raises InvalidRequestError for an empty batch, an empty prompt, a non-integer or
+        non-1-D prompt, a token id outside ``[0, vocab_size)`` or a prompt longer than the
+        model's ``max_position_embeddings``. Runs before any device work, so a bad request
+        never reaches the forward pass (and never leaves a task hanging).
+        """
+        if len(prompts) == 0:
+            raise InvalidRequestError("empty batch: no prompts to prefill")
+        tensors: list[torch.Tensor] = []
+        for index, prompt in enumerate(prompts):
+            try:
+                tokens = torch.as_tensor(prompt).to("cpu")
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise InvalidRequestError(
+                    f"prompt {index} is not a list of token ids: {err}"
+                ) from err
+            if tokens.numel() == 0:
+                raise InvalidRequestError(f"prompt {index} is empty")
+            if tokens.ndim != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
+                raise InvalidRequestError(
+                    f"prompt {index} must be a flat sequence of integer token ids "
+                    f"(got shape {tuple(tokens.shape)}, dtype {tokens.dtype})"
+                )
+            if tokens.numel() > self.max_prompt_tokens:
+                raise InvalidRequestError(
+                    f"prompt {index} has {tokens.numel()} tokens; the model supports at most "
+                    f"{self.max_prompt_tokens}"
+                )
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise InvalidRequestError(
+                    f"prompt {index} has token id {bad} outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+            tensors.append(tokens.to(torch.long))
+        return tensors
+
+    # -------------------------------------------------------------- execution
+
+    def run(
+        self, prompts: Sequence[PromptLike], control: TaskControl | None = None
+    ) -> list[PrefillOutput]:
+        """Run one task on the calling thread: activate ``control``, open the task's stream,
+        prefill, and wait for the device before returning.
+
+        ``control.device_sync`` is set to drain this task's stream, so a preempted task
+        leaves no queued kernels behind when it ACKs. Raises TaskCancelledError if the
+        control is cancelled at a checkpoint.
+        """
+        tokens = self.validate(prompts)
+        stream = self.backend.new_stream()
+        check_sync = None
+        if control is not None and self.backend.asynchronous:
+
+            def drain() -> None:
+                self.backend.synchronize(stream)
+
+            control.device_sync = drain
+            check_sync = drain if self.sync_mode == "every_check" else None
+        if control is not None:
+            control.held_bytes = measure_current_thread(self._weights)
+        with activate(control), per_check_sync(check_sync), self.backend.stream_context(stream):
+            outputs = self._prefill(tokens)
+        # Results leave the task only once the device has produced them.
+        self.backend.synchronize(stream)
+        return outputs
+
+    def prefill(self, prompts: Sequence[PromptLike]) -> list[PrefillOutput]:
+        """Prefill on the calling thread's current stream and active control (if any)."""
+        return self._prefill(self.validate(prompts))
+
+    def _prefill(self, tokens: list[torch.Tensor]) -> list[PrefillOutput]:
+        lengths = [int(t.numel()) for t in tokens]
+        control = current_control()
+        if control is not None:
+            control.num_checkpoints_expected = control.num_checkpoints + self.expected_checkpoints(
+                lengths
+            )
+        with torch.inference_mode():
+            batch = pack(tokens, self.device)
+            cache = DynamicCache(config=self.model.config)
+            logits = self._forward_chunks(batch, cache)
+            return self._collect(batch, cache, logits)
+
+    def _forward_chunks(self, batch: PackedBatch, cache: DynamicCache) -> list[torch.Tensor]:
+        """Run the forward pass(es); return each request's last-position logits."""
+        last_indices = batch.last_indices
+        logits: list[torch.Tensor | None] = [None] * batch.num_requests
+        for chunk_index, (start, end) in enumerate(chunk_spans(batch.num_tokens, self.chunk_size)):
+            if chunk_index > 0:
+                self._on_boundary()  # chunk boundaries are checkpoints at every granularity
+            # Requests whose last token falls in this chunk: only those rows reach lm_head.
+            finishing = [r for r, i in enumerate(last_indices) if start <= i < end]
+            keep = torch.tensor(
+                [last_indices[r] - start for r in finishing], dtype=torch.long, device=self.device
+            )
+            segments = chunk_segments(batch.starts, batch.lengths, start, end)
+            with (
+                packed_segments(segments),
+                fast_kernels(self.kernels is Kernels.FAST),
+                self._splitting(),
+            ):
+                out = self.model(
+                    input_ids=batch.input_ids[:, start:end],
+                    position_ids=batch.position_ids[:, start:end],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                )
+            for row, request in enumerate(finishing):
+                logits[request] = out.logits[0, row].float()
+        assert all(item is not None for item in logits)
+        return [item for item in logits if item is not None]
+
+    def _splitting(self) -> AbstractContextManager[None]:
+        if self._recorder is not None:
+            return record_trace(self._recorder)
+        return splitting(self._split_policy, self._on_boundary)
+
+    def _collect(
+        self, batch: PackedBatch, cache: DynamicCache, logits: list[torch.Tensor]
+    ) -> list[PrefillOutput]:
+        layer_kv = [_full_kv(layer, batch.num_tokens) for layer in cache.layers]
+        if self._kv_gather is not None:
+            layer_kv = self._kv_gather(layer_kv)
+        # One device→host transfer for all first tokens (each .item() would be a sync).
+        first_tokens = torch.stack(logits).argmax(dim=-1).tolist()
+        outputs = []
+        for request, (start, length) in enumerate(zip(batch.starts, batch.lengths, strict=True)):
+            end = start + length
+            kv = [(k[0, :, start:end, :], v[0, :, start:end, :]) for k, v in layer_kv]
+            outputs.append(
+                PrefillOutput(
+                    first_token_id=int(first_tokens[request]),
+                    logits=logits[request],
+                    kv_cache=kv,
+                    num_prompt_tokens=length,
+                )
+            )
+        return outputs
+
+    def close(self) -> None:
+        """Remove the checkpoint hooks, split operators and fast linears and restore the
+        model's attention implementation."""
+        self._handle.remove()
+        for hook in self._entry_hooks:
+            hook.remove()
+        self._entry_hooks.clear()
+        self._split.remove()  # before the fast linears: it wraps their forward
+        self._linears.remove()
+        if self.model.config._attn_implementation != self._original_attention:
+            self.model.set_attn_implementation(self._original_attention)
+
+    def __enter__(self) -> PreemptibleExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _attention_shape(model: PreTrainedModel) -> tuple[int, int]:
+    """Query heads *on this rank* and head dim: a tensor-parallel shard keeps the full
+    model's config, so heads come from the first layer's ``q_proj`` weight when there is
+    one."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    layer = find_decoder_layers(model)[1][0]
+    q_proj = getattr(getattr(layer, "self_attn", None), "q_proj", None)
+    if isinstance(q_proj, torch.nn.Linear):
+        heads = int(q_proj.weight.shape[0]) // head_dim
+    return heads, head_dim
+
+
+def _full_kv(layer: object, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one cache layer, checked to hold every prompt token.
+
+    A sliding-window or linear-attention layer would hold fewer (or no) positions; the KV
+    hand-off needs all of them, so such models are rejected here rather than handing off
+    a truncated cache.
+    """
+    keys = getattr(layer, "keys", None)
+    values = getattr(layer, "values", None)
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise ValueError(f"cache layer {type(layer).__name__} holds no key/value tensors")
+    if keys.shape[-2] != num_tokens:
+        raise ValueError(
+            f"cache layer {type(layer).__name__} holds {keys.shape[-2]} of {num_tokens} "
+            "positions (sliding window?); the executor needs full-attention layers"
+        )
+    return keys, values

@@ -1,0 +1,273 @@
+"""The scheduling decision of one round (the paper's Algorithm 2, lines 5–26), as pure state.
+
+:class:`Scheduler` owns the three queues — waiting requests ``Q_w``, preempted tasks
+``Q_p`` and the running task ``E`` — and nothing else. It never waits, sleeps or touches
+threads: the caller reports arrivals and completions, then asks for one round at a given
+time and carries out the returned commands, in order, on an execution pool. That caller
+is :func:`flowprefill.prefill.scheduler.round.run_round`, which the engine's loop thread and the
+simulator both call, so what the simulator predicts is what the engine decides.
+
+Invariant after every :meth:`Scheduler.schedule` call: the running task holds the
+highest-priority runnable entry (waiting request, preempted task or the running task
+itself) under the configured policy at that instant — unless parking the running task
+would exceed the parked-memory budget (:mod:`flowprefill.prefill.scheduler.memory`): then the
+round declines the preemption, the running task continues and the round says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from flowprefill.errors import InvalidRequestError, UnknownTaskError
+from flowprefill.prefill.request import Request, RequestState, Task
+from flowprefill.prefill.scheduler.batching import BatchingPolicy, SLOAwareBatching
+from flowprefill.prefill.scheduler.memory import ParkedMemory
+from flowprefill.prefill.scheduler.policies import PriorityPolicy, RankInput, SlackEDF, SortKey
+
+
+class CommandKind(StrEnum):
+    SUBMIT = "submit"
+    PREEMPT = "preempt"
+    RESUME = "resume"
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    kind: CommandKind
+    task: Task
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one round decided; commands are to be applied in order."""
+
+    round_index: int
+    now_s: float
+    commands: list[Command] = field(default_factory=list)
+    declined_preemption: Task | None = None
+    """The running task, when a more urgent entry did not preempt it because parking it
+    would exceed the parked-memory budget (no commands then)."""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_rounds: int = 0
+    num_command_rounds: int = 0
+    num_submits: int = 0
+    num_preemptions: int = 0
+    num_resumes: int = 0
+    num_finished: int = 0
+    num_preemptions_declined: int = 0
+    """Rounds that left the running task running because of the parked-memory budget."""
+
+
+class Scheduler:
+    """Slack-aware EDF scheduling with SLO-aware batching over one execution slot."""
+
+    def __init__(
+        self,
+        *,
+        predict_s: Callable[[int], float],
+        policy: PriorityPolicy | None = None,
+        batching: BatchingPolicy | None = None,
+        token_budget: int = 4096,
+        parked_memory: ParkedMemory | None = None,
+    ) -> None:
+        """``parked_memory`` bounds the bytes preempted tasks hold (None: unbounded)."""
+        if token_budget <= 0:
+            raise InvalidRequestError(f"batch token budget must be positive, got {token_budget}")
+        self.policy: PriorityPolicy = policy or SlackEDF()
+        self.batching: BatchingPolicy = batching or SLOAwareBatching()
+        self.predict_s = predict_s
+        self.token_budget = token_budget
+        self.parked_memory = parked_memory if parked_memory is not None else ParkedMemory()
+        self.waiting: dict[str, Request] = {}
+        self.preempted: dict[int, Task] = {}
+        self.running: Task | None = None
+        self.stats = SchedulerStats()
+        self._known_ids: set[str] = set()
+        self._waiting_rank: dict[str, RankInput] = {}
+
+    # ------------------------------------------------------------------ events
+
+    def add(self, request: Request) -> None:
+        """An arrival: the request joins ``Q_w``."""
+        if request.request_id in self._known_ids:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already queued")
+        if request.state is not RequestState.WAITING:
+            raise InvalidRequestError(f"request {request.request_id} is {request.state}")
+        self.waiting[request.request_id] = request
+        self._known_ids.add(request.request_id)
+        # A waiting request's rank input never changes: compute (and predict) it once.
+        self._waiting_rank[request.request_id] = RankInput(
+            request.deadline_s, request.arrival_s, self.predict_s(request.num_tokens), request.seq
+        )
+
+    def finish(self, task: Task, now_s: float, *, failed: bool = False) -> None:
+        """A completion: ``task`` left the execution pool (done or failed)."""
+        self.parked_memory.unpark(task)
+        if self.running is task:
+            self.running = None
+        elif self.preempted.pop(task.task_id, None) is None:
+            # A preempt that raced with the task's last operator leaves it in Q_p until its
+            # completion event arrives; anything else is a caller bug.
+            raise UnknownTaskError(f"{task!r} is neither running nor preempted")
+        task.transition(RequestState.FAILED if failed else RequestState.FINISHED, now_s)
+        for r in task.requests:
+            self._known_ids.discard(r.request_id)
+        self.stats.num_finished += 1
+
+    def cancel(self, request_id: str, now_s: float) -> Task | None:
+        """Drop a request. Returns its task if no live request is left in it (to cancel it)."""
+        r = self.waiting.pop(request_id, None)
+        self._waiting_rank.pop(request_id, None)
+        if r is not None:
+            r.transition(RequestState.CANCELLED, now_s)
+            self._known_ids.discard(request_id)
+            return None
+        for task in self._tasks():
+            for member in task.requests:
+                if member.request_id == request_id and not member.is_terminal:
+                    member.transition(RequestState.CANCELLED, now_s)
+                    if all(m.is_terminal for m in task.requests):
+                        return task
+                    return None
+        return None
+
+    def find(self, request_id: str) -> Request | None:
+        """The queued request ``request_id`` (waiting, or in the running or a preempted task)."""
+        r = self.waiting.get(request_id)
+        if r is not None:
+            return r
+        for task in self._tasks():
+            for member in task.requests:
+                if member.request_id == request_id:
+                    return member
+        return None
+
+    # ------------------------------------------------------------------ ranking
+
+    def rank_input(self, item: Request | Task) -> RankInput:
+        if isinstance(item, Request):
+            cached = self._waiting_rank.get(item.request_id)
+            if cached is not None:
+                return cached
+            return RankInput(
+                item.deadline_s, item.arrival_s, self.predict_s(item.num_tokens), item.seq
+            )
+        leader = item.leader
+        remaining = self.predict_s(item.num_tokens) * max(0.0, 1.0 - item.progress)
+        return RankInput(leader.deadline_s, leader.arrival_s, remaining, leader.seq)
+
+    def sort_key(self, item: Request | Task, now_s: float) -> SortKey:
+        return self.policy.sort_key(self.rank_input(item), now_s)
+
+    def _tasks(self) -> Iterable[Task]:
+        if self.running is not None:
+            yield self.running
+        yield from self.preempted.values()
+
+    def runnable(self) -> list[Request | Task]:
+        """``Q_all``: every waiting request, preempted task and the running task."""
+        items: list[Request | Task] = list(self.waiting.values())
+        items.extend(self._tasks())
+        return items
+
+    # ------------------------------------------------------------------ one round
+
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        """Run one scheduling round at ``now_s``; returns the commands to carry out."""
+        self.stats.num_rounds += 1
+        out = SchedulerOutput(self.stats.num_rounds, now_s)
+        items = self.runnable()
+        if not items:
+            return out
+        keyed = [(self.sort_key(item, now_s), item) for item in items]
+        _best_key, best = min(keyed, key=lambda kv: kv[0])
+        if best is self.running:
+            return out
+
+        if self.running is not None and not self.parked_memory.fits_switch(
+            self.running, None if isinstance(best, Request) else best
+        ):
+            # Decided before a batch is formed: declining leaves every queue as it was.
+            out.declined_preemption = self.running
+            self.stats.num_preemptions_declined += 1
+            return out
+
+        if isinstance(best, Request):
+            candidates = sorted(
+                (kv for kv in keyed if isinstance(kv[1], Request) and kv[1] is not best),
+                key=lambda kv: kv[0],
+            )
+            batch = self.batching.form_batch(
+                best,
+                (r for _, r in candidates if isinstance(r, Request)),
+                now_s=now_s,
+                predict_s=self.predict_s,
+                token_budget=self.token_budget,
+            )
+            target = Task(self._within_rank(batch, keyed, now_s))
+        else:
+            target = best
+
+        if self.running is not None:
+            victim = self.running
+            victim.transition(RequestState.PREEMPTED, now_s)
+            self.preempted[victim.task_id] = victim
+            self.parked_memory.park(victim)
+            out.commands.append(Command(CommandKind.PREEMPT, victim))
+            self.stats.num_preemptions += 1
+
+        if isinstance(best, Request):
+            for r in target.requests:
+                del self.waiting[r.request_id]
+                del self._waiting_rank[r.request_id]
+            out.commands.append(Command(CommandKind.SUBMIT, target))
+            self.stats.num_submits += 1
+        else:
+            del self.preempted[target.task_id]
+            self.parked_memory.unpark(target)
+            out.commands.append(Command(CommandKind.RESUME, target))
+            self.stats.num_resumes += 1
+        target.transition(RequestState.RUNNING, now_s)
+        self.running = target
+        self.stats.num_command_rounds += 1
+        return out
+
+    def _within_rank(
+        self, batch: list[Request], keyed: list[tuple[SortKey, Request | Task]], now_s: float
+    ) -> list[Request]:
+        """``batch`` without the trailing members that make it rank below an entry left
+        outside it. A batch is ranked by its leader's deadline and the whole batch's
+        predicted time, so a member can turn a feasible leader's batch infeasible (greedy
+        batching fills the budget whatever the members' deadlines): the batch would
+        then run although an entry outside it ranks higher — the task it just preempted,
+        say — and be preempted by it at the next round. The leader alone is the best
+        entry, so this keeps at least the leader."""
+        inside = {id(r) for r in batch}
+        outside = [k for k, x in keyed if id(x) not in inside]
+        best_outside = min(outside, default=None)
+        kept = list(batch)
+        while len(kept) > 1 and best_outside is not None:
+            leader = kept[0]
+            rank = RankInput(
+                leader.deadline_s,
+                leader.arrival_s,
+                self.predict_s(sum(r.num_tokens for r in kept)),
+                leader.seq,
+            )
+            if self.policy.sort_key(rank, now_s) <= best_outside:
+                break
+            dropped = kept.pop()
+            best_outside = min(best_outside, self.sort_key(dropped, now_s))
+        return kept
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests not yet finished: waiting plus those in running or preempted tasks."""
+        return len(self.waiting) + sum(
+            sum(not r.is_terminal for r in t.requests) for t in self._tasks()
+        )

@@ -1,0 +1,217 @@
+"""``flowprefill serve-prefill``: one prefill instance over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING, Any
+
+from flowprefill.contracts import EngineConfig, KVHandoffSettings, KVTransport
+from flowprefill.contracts.deployment import (
+    DEFAULT_KV_DIR,
+    KV_ADVERTISE_URL_ENV,
+    KV_DIR_ENV,
+    PREFILL_KV_PORT,
+    PREFILL_PORT,
+)
+from flowprefill.contracts.engine import max_blocking_arg
+from flowprefill.web.limits import add_client_limit_arguments
+
+if TYPE_CHECKING:
+    from flowprefill.prefill.engine import Predictor, PrefillBackend, PrefillEngine
+    from flowprefill.prefill.server.kv_sink import DirectorySink
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="engine.json (flowprefill.contracts.EngineConfig)")
+    p.add_argument("--model", help="override model_path (local dir or built-in name)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=PREFILL_PORT, help="the prefill API's port")
+    p.add_argument(
+        "--kv-port",
+        type=int,
+        default=PREFILL_KV_PORT,
+        help="with the http KV transport: the port decode pulls hand-offs from "
+        "(GET|HEAD|DELETE /v1/kv/<id>; not served on --port, so that a network policy can "
+        "open it to decode alone)",
+    )
+    p.add_argument("--profile", help="override predictor_path (TTFT profile JSON)")
+    # The KV flags override engine.json's "kv" section (for running a server by hand).
+    p.add_argument(
+        "--kv-dir",
+        help="override kv.dir: the hand-off directory (with --kv-transport http: this "
+        f"instance's own; default ${KV_DIR_ENV} or {DEFAULT_KV_DIR})",
+    )
+    p.add_argument(
+        "--kv-transport",
+        type=KVTransport.parse,
+        choices=list(KVTransport),
+        help="override kv.transport. shared_dir: decode reads the hand-off directory (a shared "
+        "volume); http: this server serves hand-offs at /v1/kv/<id> and decode pulls them",
+    )
+    p.add_argument(
+        "--kv-advertise-url",
+        help="override kv.advertise_url: the base URL decode uses to reach this server's KV "
+        f"port (http transport); default ${KV_ADVERTISE_URL_ENV}, else http://<host>:<kv-port> "
+        "(a wildcard host: the address the hostname resolves to, in a pod the pod IP)",
+    )
+    p.add_argument(
+        "--kv-max-age",
+        type=float,
+        help="override kv.max_age_s: seconds after which unconsumed hand-offs are swept",
+    )
+    p.add_argument(
+        "--max-blocking-ms",
+        type=max_blocking_arg,
+        help="override max_blocking_ms: split operators predicted to run longer between two "
+        "checkpoints (a number of ms, or off)",
+    )
+    p.add_argument(
+        "--parked-memory-mb",
+        type=float,
+        help="override parked_memory_bytes (MiB): what preempted tasks may hold; 0 never preempts",
+    )
+    add_client_limit_arguments(p, max_body_mb=16.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
+
+
+def resolve_config(args: argparse.Namespace) -> EngineConfig:
+    """engine.json (or the defaults) with the command line's overrides applied."""
+    config = EngineConfig.load(args.config) if args.config else EngineConfig()
+    updates: dict[str, Any] = {
+        k: v
+        for k, v in (
+            ("model_path", args.model),
+            ("predictor_path", args.profile),
+            ("max_blocking_ms", args.max_blocking_ms),
+        )
+        if v
+    }
+    if args.parked_memory_mb is not None:  # outside the filter above: 0 is a valid budget
+        if args.parked_memory_mb < 0:
+            raise SystemExit(f"--parked-memory-mb must be >= 0, got {args.parked_memory_mb:g}")
+        updates["parked_memory_bytes"] = int(args.parked_memory_mb * 2**20)
+    kv_updates = {
+        k: v
+        for k, v in (
+            ("dir", args.kv_dir),
+            ("transport", args.kv_transport),
+            ("advertise_url", args.kv_advertise_url),
+            ("max_age_s", args.kv_max_age),
+        )
+        if v is not None
+    }
+    if kv_updates:
+        base = config.kv.model_dump() if config.kv else {}
+        updates["kv"] = KVHandoffSettings.model_validate({**base, **kv_updates})
+    return config.model_copy(update=updates)
+
+
+def build_engine(
+    config: EngineConfig, backend: PrefillBackend, predictor: Predictor
+) -> PrefillEngine:
+    """The prefill engine as engine.json describes it (every scheduling field of
+    :class:`EngineConfig` the engine takes goes through here)."""
+    from flowprefill.prefill.engine import PrefillEngine
+
+    return PrefillEngine(
+        backend,
+        predictor,
+        policy=config.policy,
+        batching=config.batching,
+        token_budget=config.batch_token_budget,
+        parked_memory_bytes=config.parked_memory_bytes,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from flowprefill.prefill.factory import build_backend, model_config_of, quick_profile
+    from flowprefill.prefill.predictor.model import TTFTPredictor
+    from flowprefill.prefill.server.kv_http import create_kv_app
+    from flowprefill.prefill.server.listeners import ClientLimits, listener, serve
+    from flowprefill.prefill.server.prefill import create_app
+    from flowprefill.prefill.tp.backend import TPBackend
+
+    config = resolve_config(args)
+    kv_http = config.kv is not None and config.kv.transport is KVTransport.HTTP
+    if kv_http and args.kv_port == args.port:
+        raise SystemExit(f"--kv-port must differ from --port (both {args.port})")
+    backend = build_backend(config)
+    tp = backend if isinstance(backend, TPBackend) else None
+    try:
+        predictor = (
+            TTFTPredictor.load(config.predictor_path)
+            if config.predictor_path
+            else quick_profile(backend, Console(stderr=True), model_name=config.model_path)
+        )
+        engine = build_engine(config, backend, predictor)
+        kv_sink = kv_handoff(config.kv, args.host, args.kv_port, model_config_of(backend))
+        # The gateway deletes hand-offs decode will not load through the main port (both
+        # transports); decode reads (http) on the KV port alone.
+        kv_store = kv_sink.transport if kv_sink is not None else None
+        kv_url = kv_sink.source if kv_sink is not None else None
+        app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store, kv_url=kv_url)
+        log.info(
+            "prefill instance: %s, granularity %s, policy %s, tp_size %d, port %d%s",
+            config.model_path,
+            config.granularity,
+            config.policy,
+            config.tp_size,
+            args.port,
+            f", KV port {args.kv_port}" if kv_http else "",
+        )
+        limits = ClientLimits(
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            body_timeout_s=args.body_timeout,
+            header_timeout_s=args.header_timeout,
+            drain_timeout_s=args.drain_timeout,
+        )
+        server = listener(app, args.host, args.port, limits)
+        kv_server = None
+        if kv_http and kv_store is not None:
+            kv_server = listener(create_kv_app(kv_store), args.host, args.kv_port, limits)
+        if tp is not None:
+
+            def rank_failed(error: BaseException) -> None:
+                # In-flight requests get a 503 naming the rank, /ready fails, and the
+                # server exits non-zero so that the pod restarts.
+                engine.fail(error)
+                server.should_exit = True
+
+            tp.group.on_failure(rank_failed)
+        serve(server, kv_server)
+    finally:
+        backend.close()
+    return 1 if tp is not None and tp.group.failure is not None else 0
+
+
+def kv_handoff(
+    kv: KVHandoffSettings | None, host: str, kv_port: int, model_config: Any
+) -> DirectorySink | None:
+    """Where this instance writes KV hand-offs for decode, or None (no ``kv`` settings:
+    decode recomputes). With the ``http`` transport the answers name the KV listener
+    (``kv_port`` on ``host``, unless an advertised URL says otherwise) as their source."""
+    if kv is None:
+        return None
+    from flowprefill.prefill.server.kv_sink import advertise_url, directory_sink
+
+    source = None
+    if kv.transport is KVTransport.HTTP:
+        source = advertise_url(host, kv_port, kv.advertise_url)
+        if host in ("0.0.0.0", "::") and "://127." in source:
+            log.warning(
+                "KV hand-offs advertised as %s, which other machines cannot reach: set "
+                "kv.advertise_url or $%s (e.g. the pod IP)",
+                source,
+                KV_ADVERTISE_URL_ENV,
+            )
+    sink = directory_sink(kv.resolved_dir, model_config, max_age_s=kv.max_age_s, source=source)
+    if source is not None:
+        log.info("KV hand-offs in %s, served to decode as %s", sink.transport.root, source)
+    else:
+        log.info("KV hand-offs in shared directory %s", sink.transport.root)
+    return sink

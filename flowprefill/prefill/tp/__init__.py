@@ -1,0 +1,7 @@
+"""Tensor-parallel prefill: one instance as N rank processes on one machine.
+
+:mod:`~flowprefill.prefill.tp.shard` splits a checkpoint into rank shards,
+:mod:`~flowprefill.prefill.tp.agreement` decides where all ranks park,
+:mod:`~flowprefill.prefill.tp.ranks` spawns and commands the follower ranks,
+:mod:`~flowprefill.prefill.tp.backend` is the engine's view of the instance.
+"""

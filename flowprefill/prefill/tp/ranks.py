@@ -1,0 +1,444 @@
+"""The ranks of one tensor-parallel prefill instance: spawning, commands, faults.
+
+``flowprefill serve-prefill`` with ``tp_size = N`` is one process, rank 0 (the *leader*),
+that spawns ranks 1..N-1 (*followers*) on the same machine — one container per pod, no
+``torchrun``. Every rank joins one ``torch.distributed`` group (gloo on CPU, NCCL on CUDA,
+rank ``r`` on ``cuda:<index + r>``) for the model's own collectives, loads its shard
+(:mod:`flowprefill.prefill.tp.shard`) and builds the same preemptible executor.
+
+Only the leader owns the HTTP server, the scheduler and the execution pool. Followers run
+what it sends, in order, over one pipe each:
+
+``submit(key, slot, prompts)``
+    start task ``key`` on a new thread, gated by the shared agreement table's slot;
+``resume(key)`` / ``cancel(key)``
+    release the task parked at the agreed checkpoint (or unwind it);
+``report()`` / ``stop()``
+    where each task parked (tests, benchmarks) / shut down.
+
+(Preempt needs no command: the target checkpoint travels through the shared table of
+:mod:`flowprefill.prefill.tp.agreement`.) Commands go over pipes, not a gloo broadcast: a follower
+waits for the next command for arbitrarily long, which a collective's timeout would turn
+into a failure, and a pipe reports a dead peer at once (EOF).
+
+A follower starts or resumes a task only once its previous task has parked or finished,
+so on every rank the model's collectives come in the same order: the leader's scheduler
+runs one task at a time and ACKs a preemption only when all ranks have parked.
+
+Faults: the leader's monitor thread waits on every follower's process sentinel. A follower
+that exits (crash, OOM kill, SIGKILL) fails the instance: in-flight requests get
+:class:`~flowprefill.errors.RankFailedError` (HTTP 503 naming the rank and its exit code),
+readiness fails, and the server exits so the pod restarts. A follower whose leader is gone
+sees EOF on its pipe (or an error in a collective) and exits. A task that raises on a
+follower (anything but cancellation) kills that follower: the ranks' states have diverged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flowprefill.contracts import EngineConfig
+from flowprefill.contracts.names import RankCommand
+from flowprefill.errors import RankFailedError, TaskCancelledError
+from flowprefill.prefill.executor.preemption import TaskControl
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
+from flowprefill.prefill.executor.splitting import SplitRates
+from flowprefill.prefill.tp.agreement import FollowerGate, SharedTable
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 600.0
+"""A collective only waits for ranks running the same task (parked tasks sit in no
+collective), so a long wait means a rank is stuck; the monitor usually fails sooner."""
+
+START_TIMEOUT_S = 600.0
+"""Followers load their shard in parallel with the leader; this bounds the whole start."""
+
+COMMAND_WAIT_S = 600.0
+"""How long a follower waits for its previous task to park before taking a command."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a follower process needs (pickled to it at spawn)."""
+
+    config: EngineConfig
+    rank: int
+    world: int
+    master_port: int
+    table: SharedTable
+    conn: Connection
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """``cuda`` / ``cuda:i`` → rank ``r`` on ``cuda:i+r``; CPU ranks share the CPU."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Intra-op threads per rank: the configured count, else the cores split N ways."""
+    if config.num_threads is not None:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // config.tp_size)
+
+
+def init_rank(config: EngineConfig, rank: int, master_port: int) -> PreemptibleExecutor:
+    """Join the instance's process group and build this rank's executor on its shard."""
+    from flowprefill.models.loader import resolve_model_path
+    from flowprefill.prefill.factory import DTYPES
+    from flowprefill.prefill.tp.shard import Shard, install_all_reduces, load_shard
+
+    device = rank_device(config.device, rank)
+    if device.type == "cpu":
+        torch.set_num_threads(rank_threads(config))
+    else:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{master_port}",
+        rank=rank,
+        world_size=config.tp_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    path = resolve_model_path(config.model_path)
+    model = load_shard(path, Shard(rank, config.tp_size), dtype=DTYPES[config.dtype], device=device)
+    install_all_reduces(model)
+    executor = PreemptibleExecutor(
+        model,
+        granularity=config.granularity,
+        chunk_size=config.chunk_size,
+        device=device,
+        kernels=config.resolved_kernels(),
+        kv_gather=gather_kv_heads,
+        max_blocking_ms=config.resolved_max_blocking_ms(),
+    )
+    policy = executor.split_policy
+    if policy is not None:
+        # Every rank must split alike (they park at the same checkpoint number): all
+        # predict with rank 0's measured rates and GEMM profiles. Each rank measured its
+        # own, so the sizes may differ: the length goes first.
+        mine = policy.rates.to_vector()
+        size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+        dist.broadcast(size, src=0)
+        values = torch.zeros(int(size.item()), dtype=torch.float64, device=device)
+        if rank == 0:
+            values.copy_(torch.tensor(mine, dtype=torch.float64))
+        dist.broadcast(values, src=0)
+        executor.set_split_rates(SplitRates.from_vector(values.tolist()))
+    return executor
+
+
+def gather_kv_heads(
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank 0 gets every rank's KV heads, concatenated in rank order (rank r holds heads
+    ``r*H/N .. (r+1)*H/N - 1``), so its hand-off file holds all heads; others get their
+    own back. One gather of all layers' keys and values per task."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return layers
+    flat = torch.stack([torch.stack([k, v]) for k, v in layers])  # [L, 2, B, h, T, d]
+    if rank != 0:
+        dist.gather(flat, None, dst=0)
+        return layers
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.gather(flat, parts, dst=0)
+    full = torch.cat(parts, dim=3)
+    return [(full[i, 0], full[i, 1]) for i in range(full.shape[0])]
+
+
+# --------------------------------------------------------------------- followers
+
+
+class _Follower:
+    """A follower's command loop and its task threads."""
+
+    def __init__(self, spec: RankSpec, executor: PreemptibleExecutor) -> None:
+        self.spec, self.executor = spec, executor
+        self.controls: dict[int, TaskControl] = {}
+        self.gates: dict[int, FollowerGate] = {}
+
+    def serve(self) -> None:
+        conn = self.spec.conn
+        while True:
+            try:
+                command, *args = conn.recv()
+            except (EOFError, OSError):
+                _die(f"rank {self.spec.rank}: the leader rank is gone")
+            if command == RankCommand.STOP:
+                return
+            if command == RankCommand.REPORT:
+                conn.send({key: list(g.parked_at) for key, g in self.gates.items()})
+                continue
+            self._settle()
+            if command == RankCommand.SUBMIT:
+                self._submit(*args)
+            elif command == RankCommand.RESUME:
+                self.controls[args[0]].resume()
+            elif command == RankCommand.CANCEL:
+                self.controls[args[0]].cancel()
+            else:
+                _die(f"rank {self.spec.rank}: unknown command {command!r}")
+
+    def _settle(self) -> None:
+        """Wait until no task of this rank is running (all parked or done)."""
+        for key, control in list(self.controls.items()):
+            if control.done:
+                del self.controls[key]
+                continue
+            if not control.wait_parked_or_done(COMMAND_WAIT_S):
+                _die(f"rank {self.spec.rank}: task {key} reached no checkpoint in time")
+
+    def _submit(self, key: int, slot: int, prompts: Sequence[Sequence[int]]) -> None:
+        control = TaskControl(name=f"task-{key}@rank{self.spec.rank}")
+        gate = FollowerGate(self.spec.table, slot, self.spec.rank)
+        control.gate = gate
+        self.controls[key], self.gates[key] = control, gate
+        if len(self.gates) > 4 * self.spec.table.slots:  # keep the report bounded
+            self.gates.pop(next(iter(self.gates)))
+
+        def main() -> None:
+            try:
+                self.executor.run(prompts, control)
+            except TaskCancelledError:
+                pass
+            except BaseException:
+                log.exception("rank %d: task %d failed", self.spec.rank, key)
+                _die(f"rank {self.spec.rank}: task {key} failed; ranks have diverged")
+            finally:
+                control.mark_done()
+
+        threading.Thread(target=main, name=f"tp-task-{key}", daemon=True).start()
+
+
+def _die(message: str) -> Any:
+    log.error("%s: exiting", message)
+    logging.shutdown()
+    os._exit(1)
+
+
+def follower_main(spec: RankSpec) -> None:
+    """Entry point of a follower process."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s"
+    )
+    try:
+        executor = init_rank(spec.config, spec.rank, spec.master_port)
+    except BaseException as e:  # reported to the leader, which fails the start with it
+        spec.conn.send(("error", f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    spec.conn.send(("ready", spec.rank))
+    _Follower(spec, executor).serve()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------ leader
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RankGroup:
+    """The leader's view of its followers: spawns them, sends commands, watches them.
+
+    ``on_failure(error)`` callbacks run once, on the monitor thread, when a follower exits
+    while the group is open.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        import multiprocessing
+
+        if config.tp_size < 2:
+            raise ValueError("a RankGroup needs tp_size >= 2")
+        from flowprefill.models.loader import resolve_model_path
+
+        ctx = multiprocessing.get_context("spawn")
+        # Resolved once, here: a built-in name is materialised before any rank reads it.
+        path = str(resolve_model_path(config.model_path))
+        config = config.model_copy(update={"model_path": path})
+        self.config = config
+        self.world = config.tp_size
+        self.table = SharedTable(self.world, ctx=ctx)
+        self._send_lock = threading.Lock()
+        self._fail_lock = threading.Lock()
+        self._failure: RankFailedError | None = None
+        self._callbacks: list[Callable[[RankFailedError], None]] = []
+        self._closing = False
+        port = free_port()
+        self._conns: list[Connection] = []
+        self.processes = []
+        for rank in range(1, self.world):
+            ours, theirs = ctx.Pipe()
+            spec = RankSpec(config, rank, self.world, port, self.table, theirs)
+            proc = ctx.Process(
+                target=follower_main, args=(spec,), name=f"flowprefill-rank{rank}", daemon=True
+            )
+            proc.start()
+            theirs.close()
+            self._conns.append(ours)
+            self.processes.append(proc)
+        try:
+            self.executor = self._start_leader(port)
+        except BaseException:
+            self._kill_all()
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
+        self._monitor.start()
+
+    def _start_leader(self, port: int) -> PreemptibleExecutor:
+        result: list[PreemptibleExecutor] = []
+        errors: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                result.append(init_rank(self.config, 0, port))
+            except BaseException as e:
+                errors.append(e)
+
+        # On a thread so that a follower failing to start is noticed while rank 0 sits
+        # in init_process_group waiting for it.
+        starter = threading.Thread(target=start, name="tp-leader-start", daemon=True)
+        starter.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = dict(zip(self._conns, range(1, self.world), strict=True))
+        while pending or starter.is_alive():
+            if time.monotonic() > deadline:
+                raise RankFailedError(f"tensor-parallel ranks did not start in {START_TIMEOUT_S}s")
+            sentinels = {p.sentinel: r for r, p in enumerate(self.processes, start=1)}
+            ready = wait([*pending, *sentinels], timeout=0.2)
+            for item in ready:
+                if item in pending:
+                    conn = item
+                    assert isinstance(conn, Connection)
+                    status, detail = conn.recv()
+                    if status != "ready":
+                        raise RankFailedError(f"tensor-parallel rank {pending[conn]}: {detail}")
+                    del pending[conn]
+                elif item in sentinels and any(c for c in pending if pending[c] == sentinels[item]):
+                    proc = self.processes[sentinels[item] - 1]
+                    raise RankFailedError(
+                        f"tensor-parallel rank {sentinels[item]} exited with code "
+                        f"{proc.exitcode} while starting"
+                    )
+            if not starter.is_alive() and errors:
+                raise errors[0]
+        if errors:
+            raise errors[0]
+        return result[0]
+
+    # ----------------------------------------------------------------- commands
+
+    def send(self, *command: Any) -> None:
+        """Deliver ``command`` to every follower (in the same order on each)."""
+        self.check_alive()
+        with self._send_lock:
+            for rank, conn in enumerate(self._conns, start=1):
+                try:
+                    conn.send(command)
+                except (BrokenPipeError, ConnectionResetError, OSError) as e:
+                    # Name the rank: a send can notice a dead rank before the watcher does,
+                    # and the first failure is the one every later caller sees.
+                    raise self._fail(self._unreachable(rank, e)) from e
+
+    def reports(self) -> list[dict[int, list[int]]]:
+        """Per follower: checkpoint numbers at which each task parked."""
+        with self._send_lock:
+            for conn in self._conns:
+                conn.send((RankCommand.REPORT,))
+            return [conn.recv() for conn in self._conns]
+
+    def _unreachable(self, rank: int, error: BaseException) -> str:
+        proc = self.processes[rank - 1]
+        proc.join(timeout=0.5)  # a broken pipe usually means the process is exiting
+        how = f"exited with code {proc.exitcode}" if proc.exitcode is not None else "is alive"
+        return (
+            f"tensor-parallel rank {rank} (pid {proc.pid}) stopped reading commands "
+            f"({error}); it {how}"
+        )
+
+    def check_alive(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    @property
+    def failure(self) -> RankFailedError | None:
+        return self._failure
+
+    def on_failure(self, callback: Callable[[RankFailedError], None]) -> None:
+        self._callbacks.append(callback)
+        if self._failure is not None:
+            callback(self._failure)
+
+    # ------------------------------------------------------------------- faults
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: (r, p) for r, p in enumerate(self.processes, start=1)}
+        ready = wait(list(sentinels))
+        if self._closing:
+            return
+        rank, proc = sentinels[ready[0]]  # type: ignore[index]
+        proc.join(1.0)
+        self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def _fail(self, message: str) -> RankFailedError:
+        with self._fail_lock:
+            first = self._failure is None
+            if first:
+                self._failure = RankFailedError(f"{message}; this prefill instance is down")
+        assert self._failure is not None
+        if first:
+            log.error("%s", self._failure)
+            for callback in self._callbacks:
+                try:
+                    callback(self._failure)
+                except Exception:
+                    log.exception("rank-failure callback failed")
+        return self._failure
+
+    def _kill_all(self) -> None:
+        self._closing = True
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5.0)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the followers (politely, then by force) and leave the process group."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._failure is None:
+            try:
+                with self._send_lock:
+                    for conn in self._conns:
+                        conn.send((RankCommand.STOP,))
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a dead peer can make the teardown itself fail
+                log.debug("destroy_process_group failed", exc_info=True)
