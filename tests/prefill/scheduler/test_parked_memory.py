@@ -9,7 +9,7 @@ from flowprefill.prefill.scheduler.batching import get_batching
 from flowprefill.prefill.scheduler.core import Scheduler, SchedulerOutput
 from flowprefill.prefill.scheduler.memory import ParkedMemory
 from flowprefill.prefill.scheduler.round import Arrival, Completion, run_round
-from tests.scheduler.test_round import FakePool
+from tests.prefill.scheduler.test_round import FakePool
 
 BYTES_PER_TOKEN = 10
 

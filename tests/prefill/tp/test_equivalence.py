@@ -14,7 +14,7 @@ import torch
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor, PrefillOutput
 from flowprefill.prefill.tp.backend import TPBackend
-from tests.tp.harness import Task, assert_same, prompts, ranks_agree
+from tests.prefill.tp.harness import Task, assert_same, prompts, ranks_agree
 
 ATOL = 1e-5
 

@@ -14,8 +14,8 @@ from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.server.prefill import create_app
 from flowprefill.prefill.tp.backend import TPBackend
-from tests.tp.conftest import tp_config
-from tests.tp.harness import Task, prompts
+from tests.prefill.tp.conftest import tp_config
+from tests.prefill.tp.harness import Task, prompts
 
 BOUND_S = 20.0
 """In-flight work must be answered within this long after the rank dies."""

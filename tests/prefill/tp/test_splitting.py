@@ -14,9 +14,9 @@ import pytest
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.factory import build_executor
 from flowprefill.prefill.tp.backend import TPBackend
-from tests.tp.conftest import tp_config
-from tests.tp.harness import Task, assert_same, prompts, ranks_agree
-from tests.tp.test_equivalence import assert_close_to_tp1
+from tests.prefill.tp.conftest import tp_config
+from tests.prefill.tp.harness import Task, assert_same, prompts, ranks_agree
+from tests.prefill.tp.test_equivalence import assert_close_to_tp1
 
 TIGHT_MS = 0.0005  # 0.5 µs: every operator of these prompts splits at any measured speed
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from flowprefill.errors import TaskCancelledError
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.tp.backend import TPBackend
-from tests.tp.conftest import tp_config
-from tests.tp.harness import Task, assert_same, prompts, ranks_agree
+from tests.prefill.tp.conftest import tp_config
+from tests.prefill.tp.harness import Task, assert_same, prompts, ranks_agree
 
 ACTIONS = ("preempt", "preempt", "cancel", "finish", "cancel-parked")
 
