@@ -27,8 +27,8 @@ from flowprefill.prefill.scheduler.batching import (
 )
 from flowprefill.prefill.scheduler.core import Scheduler
 from flowprefill.prefill.scheduler.policies import get_policy
-from tests.test_engine import PREDICTOR as ENGINE_PREDICTOR
-from tests.test_engine import SteppedBackend, prompt
+from tests.prefill.test_engine import PREDICTOR as ENGINE_PREDICTOR
+from tests.prefill.test_engine import SteppedBackend, prompt
 
 
 def P(n: int) -> float:
