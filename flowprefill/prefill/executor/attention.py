@@ -7,17 +7,17 @@ longer in masked attention than four causal 1024-token calls). So attention runs
 request *segment* instead: each request's queries attend to that request's keys with a
 causal sdpa call, costing ``Σ lengths²`` on the fast kernel.
 
-The executor publishes the segments of the forward pass it is about to run in a thread
-slot (:func:`packed_segments`); transformers passes q/k/v for the whole row to
-:func:`packed_attention`, which splits them. Outside the executor (no segments on the
-thread) the function is plain sdpa, so the model still works for anything else. Projections,
-norms, RoPE and the KV cache are untouched: only the attention kernel call changes.
+The executor publishes the segments of the forward pass it is about to run in the thread's
+context (``segments``: :mod:`flowprefill.prefill.executor.context`); transformers passes
+q/k/v for the whole row to :func:`packed_attention`, which splits them. Outside the executor
+(no segments on the thread) the function is plain sdpa, so the model still works for
+anything else. Projections, norms, RoPE and the KV cache are untouched: only the attention
+kernel call changes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from flowprefill.prefill.executor.context import thread_context
 from flowprefill.prefill.executor.packing import Segment
 from flowprefill.prefill.executor.splitting import (
     Packer,
@@ -32,19 +33,9 @@ from flowprefill.prefill.executor.splitting import (
     TraceRecorder,
     attention_pieces,
     block_attention,
-    current_packer,
 )
-from flowprefill.prefill.executor.threadlocal import ThreadSlot
 
 PACKED_ATTENTION = "flowprefill_packed"
-
-
-_segments: ThreadSlot[Sequence[Segment] | None] = ThreadSlot(None)
-
-
-def packed_segments(segments: Sequence[Segment]) -> AbstractContextManager[None]:
-    """Make ``segments`` the layout :func:`packed_attention` uses on this thread."""
-    return _segments.bound(segments)
 
 
 def packed_attention(
@@ -63,7 +54,8 @@ def packed_attention(
     The model's own ``attention_mask`` is ignored while segments are published: they encode
     the block-diagonal causal pattern exactly.
     """
-    segments = _segments.get()
+    context = thread_context
+    segments = context.segments
     kwargs.pop("is_causal", None)
     kwargs["dropout"] = dropout
     if segments is None:
@@ -71,7 +63,7 @@ def packed_attention(
             module, query, key, value, attention_mask, scaling=scaling, **kwargs
         )
         return out, None
-    packer = current_packer()
+    packer = context.packer
     if packer is None or kwargs.get("sliding_window") or kwargs.get("softcap"):
         outputs = [
             _segment_attention(module, query, key, value, seg, scaling, kwargs) for seg in segments

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from flowprefill.prefill.executor.context import thread_context
 from flowprefill.prefill.executor.splitting import SplitHandle, SplitRates, _pairs, block_attention
 from flowprefill.prefill.executor.tiling import (
     GPU_PIECE_OVERHEAD_S,
@@ -65,12 +66,10 @@ def calibrate(
     (:func:`~flowprefill.prefill.executor.tiling.grid`) up to :data:`GRID_HEADROOM` times the rows
     that fit ``max_blocking_s`` at the measured rate (fastest of ``repeats`` each; ~1 s
     for Llama-3-8B on an H100 by the FLOP count — not measured on a GPU yet)."""
-    from flowprefill.prefill.executor.kernels import fast_kernels
-
     if profile_rows is None:
         profile_rows = device.type == "cuda"
     profiles: dict[float, RowProfile] = {}
-    with torch.inference_mode(), fast_kernels(True):
+    with torch.inference_mode(), thread_context.forward(fast_kernels=True):
         if handle.linears:
             module, cost = max(handle.linears, key=lambda item: item[1])
             assert isinstance(module, nn.Linear)

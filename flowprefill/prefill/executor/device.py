@@ -26,8 +26,9 @@ through many operators queued earlier. Two consequences (paper §5.1):
     draining them is blocking time the urgent request pays. Pick this only when operator
     times are long compared with the sync cost and blocking time matters less.
 
-The CUDA path is tested on CPU through a fake backend (tests/prefill/executor/test_device.py); it
-has not been run on a GPU.
+:class:`DeviceStreams` is what the executor needs of a device type: :class:`CpuStreams` (no
+streams, nothing to wait for) or :class:`CudaStreams`. The CUDA path is tested on CPU
+through a fake (tests/prefill/executor/test_device.py); it has not been run on a GPU.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from typing import Literal, Protocol
 import torch
 
 from flowprefill.errors import UnknownNameError
+from flowprefill.prefill.executor.context import thread_context
 from flowprefill.prefill.executor.preemption import checkpoint
-from flowprefill.prefill.executor.threadlocal import ThreadSlot
 
 SyncMode = Literal["every_check", "on_preempt"]
 SYNC_MODES: tuple[str, ...] = ("every_check", "on_preempt")
@@ -52,8 +53,8 @@ def check_sync_mode(mode: str) -> SyncMode:
     return mode  # type: ignore[return-value]
 
 
-class DeviceBackend(Protocol):
-    """Stream operations of one device type."""
+class DeviceStreams(Protocol):
+    """Per-task streams of one device type, and waiting for them."""
 
     #: False when device work is synchronous (CPU): no stream, no syncs needed.
     asynchronous: bool
@@ -71,7 +72,9 @@ class DeviceBackend(Protocol):
         """Block the calling thread until ``stream`` has finished all queued work."""
 
 
-class CpuBackend:
+class CpuStreams:
+    """CPU ops are synchronous: no streams, nothing to wait for."""
+
     asynchronous = False
 
     def prepare(self) -> None:
@@ -87,7 +90,7 @@ class CpuBackend:
         pass
 
 
-class CudaBackend:
+class CudaStreams:
     """CUDA streams. Constructing it touches no CUDA state (it can be built on CPU hosts)."""
 
     asynchronous = True
@@ -117,16 +120,13 @@ class CudaBackend:
             stream.synchronize()
 
 
-def backend_for(device: torch.device) -> DeviceBackend:
+def streams_for(device: torch.device) -> DeviceStreams:
+    """The streams of ``device``'s type (CPU or CUDA)."""
     if device.type == "cpu":
-        return CpuBackend()
+        return CpuStreams()
     if device.type == "cuda":
-        return CudaBackend(device)
+        return CudaStreams(device)
     raise ValueError(f"unsupported device type {device.type!r}; expected 'cpu' or 'cuda'")
-
-
-# The per-check sync of the task running on this thread (every_check mode only).
-_sync: ThreadSlot[Callable[[], None] | None] = ThreadSlot(None)
 
 
 def synchronizing_checkpoint() -> None:
@@ -135,19 +135,14 @@ def synchronizing_checkpoint() -> None:
     Installed as the hook body instead of :func:`checkpoint` when the device is
     asynchronous and the mode is ``every_check``; threads with no task stream skip the sync.
     """
-    sync = _sync.get()
+    sync = thread_context.check_sync
     if sync is not None:
         sync()
     checkpoint()
 
 
-def boundary_fn(backend: DeviceBackend, mode: SyncMode) -> Callable[[], None]:
-    """What a checkpoint hook calls for this backend and mode."""
-    if backend.asynchronous and mode == "every_check":
+def boundary_fn(streams: DeviceStreams, mode: SyncMode) -> Callable[[], None]:
+    """What a checkpoint hook calls for these streams and mode."""
+    if streams.asynchronous and mode == "every_check":
         return synchronizing_checkpoint
     return checkpoint
-
-
-def per_check_sync(sync: Callable[[], None] | None) -> AbstractContextManager[None]:
-    """Make ``sync`` the per-checkpoint sync of this thread for the block."""
-    return _sync.bound(sync)

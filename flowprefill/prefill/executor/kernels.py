@@ -11,12 +11,12 @@ order: results agree with MKL's to ~1e-6 relative, not bitwise).
 
 :func:`install_fast_linears` packs the weight of every ``nn.Linear`` inside the decoder
 layers once and points the module's ``forward`` at a function that uses the packed weight
-**only while** :func:`fast_kernels` is active on the calling thread (the executor turns it
-on around its own forward passes). Anywhere else — another thread, a direct
-``model(...)`` call — the module runs plain ``F.linear`` on its own weight, so the model
-is unchanged for every other user. Module hooks (the preemption checkpoints) still fire:
-the module is still called, only its body differs. ``lm_head`` is left alone (it sees one
-row per request).
+**only while** ``fast_kernels`` is set in the calling thread's context
+(:mod:`flowprefill.prefill.executor.context`; the executor sets it for its own forward
+passes). Anywhere else — another thread, a direct ``model(...)`` call — the module runs
+plain ``F.linear`` on its own weight, so the model is unchanged for every other user.
+Module hooks (the preemption checkpoints) still fire: the module is still called, only its
+body differs. ``lm_head`` is left alone (it sees one row per request).
 
 The packed copy duplicates the decoder's linear weights in memory (54 MB for demo-llama).
 Weights are assumed frozen while installed: a module whose weight was replaced or modified
@@ -26,7 +26,6 @@ in place since packing silently falls back to ``F.linear``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -34,9 +33,7 @@ from torch import nn
 from torch.nn import functional
 
 from flowprefill.contracts.names import Kernels
-from flowprefill.prefill.executor.threadlocal import ThreadSlot
-
-_enabled = ThreadSlot(False)
+from flowprefill.prefill.executor.context import thread_context
 
 
 def resolve_kernels(kernels: str | Kernels | None) -> Kernels:
@@ -45,11 +42,6 @@ def resolve_kernels(kernels: str | Kernels | None) -> Kernels:
     The executor reads no environment: ``$FLOWPREFILL_KERNELS`` is resolved once, by
     :meth:`flowprefill.contracts.EngineConfig.resolved_kernels`."""
     return Kernels.FAST if kernels is None else Kernels.parse(kernels)
-
-
-def fast_kernels(enabled: bool = True) -> AbstractContextManager[None]:
-    """Let installed fast linears use their packed weights on this thread."""
-    return _enabled.bound(enabled)
 
 
 def onednn_linear_supported(weight: torch.Tensor) -> bool:
@@ -84,10 +76,11 @@ def _packed_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
     bias = module.bias.detach() if module.bias is not None else None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    context = thread_context
 
     def forward(input: torch.Tensor) -> torch.Tensor:
         if (
-            _enabled.get()
+            context.fast_kernels
             and input.dtype == torch.float32
             and module.weight is weight
             and weight._version == version

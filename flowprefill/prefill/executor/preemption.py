@@ -9,11 +9,13 @@ makes sure the device has finished the work issued so far, acknowledges, and par
 variable, activation and KV tensor of the task stays exactly as it was: resuming continues
 the same Python frame, so the result is bit-identical to an uninterrupted run.
 
-The hot path — a checkpoint with no signal — is one thread-slot read, one attribute read
+The hot path — a checkpoint with no signal — is one thread-local read, one attribute read
 and one integer increment; the lock is only taken when a signal is actually up.
 
-Checkpoints find their task through a thread slot set by :func:`activate`, so hooks
-installed once on a shared model serve every task thread without knowing about tasks.
+Checkpoints find their task in the thread's context
+(:data:`~flowprefill.prefill.executor.context.thread_context`, bound by the executor's run
+or by :func:`activate`), so hooks installed once on a shared model serve every task thread
+without knowing about tasks.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from flowprefill.errors import TaskCancelledError
-from flowprefill.prefill.executor.threadlocal import ThreadSlot
+from flowprefill.prefill.executor.context import thread_context
 
 SyncFn = Callable[[], None]
 
@@ -181,20 +183,14 @@ class TaskControl:
         return self._done
 
 
-_control: ThreadSlot[TaskControl | None] = ThreadSlot(None)
-
-
-def current_control() -> TaskControl | None:
-    return _control.get()
-
-
 def activate(control: TaskControl | None) -> AbstractContextManager[None]:
-    """Make ``control`` the target of :func:`checkpoint` calls on this thread."""
-    return _control.bound(control)
+    """Make ``control`` the target of :func:`checkpoint` calls on this thread (with no
+    per-checkpoint sync: the executor's run binds its own)."""
+    return thread_context.task(control)
 
 
 def checkpoint() -> None:
     """A preemption boundary; a no-op when no task is active on this thread."""
-    control = _control.get()
+    control = thread_context.control
     if control is not None:
         control.check()

@@ -16,16 +16,14 @@ Typical use by the execution pool, one thread per task::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
-from torch.utils.hooks import RemovableHandle
 from transformers import DynamicCache, PreTrainedModel
 
 from flowprefill.contracts.names import Granularity, Kernels
 from flowprefill.errors import InvalidRequestError
-from flowprefill.prefill.executor.attention import packed_segments
 from flowprefill.prefill.executor.attention import register as register_packed_attention
 from flowprefill.prefill.executor.calibration import calibrate
 from flowprefill.prefill.executor.checkpoints import (
@@ -35,17 +33,16 @@ from flowprefill.prefill.executor.checkpoints import (
     find_decoder_layers,
     install_checkpoints,
 )
+from flowprefill.prefill.executor.context import thread_context
 from flowprefill.prefill.executor.device import (
-    DeviceBackend,
+    DeviceStreams,
     SyncMode,
-    backend_for,
     boundary_fn,
     check_sync_mode,
-    per_check_sync,
+    streams_for,
 )
 from flowprefill.prefill.executor.kernels import (
     FastLinearHandle,
-    fast_kernels,
     install_fast_linears,
     resolve_kernels,
 )
@@ -55,9 +52,10 @@ from flowprefill.prefill.executor.memory import (
     weight_storages,
 )
 from flowprefill.prefill.executor.packing import PackedBatch, chunk_segments, chunk_spans, pack
-from flowprefill.prefill.executor.preemption import TaskControl, activate, current_control
+from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.splitting import (
     Event,
+    Packer,
     SplitHandle,
     SplitPolicy,
     SplitRates,
@@ -65,14 +63,13 @@ from flowprefill.prefill.executor.splitting import (
     count_checkpoints,
     hooked,
     install_split_operators,
-    record_trace,
-    splitting,
 )
 
 PromptLike = Sequence[int] | torch.Tensor
 KVGather = Callable[
     [list[tuple[torch.Tensor, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]
 ]
+Undo = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -102,19 +99,27 @@ class PreemptibleExecutor:
     def __init__(
         self,
         model: PreTrainedModel,
+        *,
         granularity: str | Granularity = Granularity.OPERATOR,
         chunk_size: int | None = None,
         device: str | torch.device | None = None,
         sync: str = "every_check",
-        backend: DeviceBackend | None = None,
+        streams: DeviceStreams | None = None,
         kernels: str | Kernels | None = None,
         kv_gather: KVGather | None = None,
         max_blocking_ms: float | None = None,
         split_rates: SplitRates | None = None,
     ) -> None:
-        """``sync`` (``every_check`` | ``on_preempt``) only matters on CUDA; see
-        :mod:`flowprefill.prefill.executor.device` for the trade-off. ``backend`` overrides the
-        stream backend chosen from ``device`` (tests use a fake one).
+        """Check the options, move ``model`` to ``device`` (default: where it is) and patch
+        it; :meth:`close` undoes the patches.
+
+        ``granularity``: where checkpoints go (:mod:`flowprefill.prefill.executor.checkpoints`).
+        ``chunk_size``: tokens per forward pass (None: the whole batch in one); the boundary
+        between two chunks is a checkpoint.
+
+        ``sync`` (``every_check`` | ``on_preempt``) only matters on CUDA; see
+        :mod:`flowprefill.prefill.executor.device` for the trade-off. ``streams`` overrides
+        the streams chosen from ``device`` (tests use a fake one).
 
         ``kernels``: ``"fast"`` (the default, also for None) runs the decoder's float32 CPU
         linears through oneDNN on prepacked weights (see
@@ -131,115 +136,104 @@ class PreemptibleExecutor:
 
         ``max_blocking_ms`` (operator granularity only; None: never split): operators
         predicted to run longer between two checkpoints are split at run time
-        (:mod:`flowprefill.prefill.executor.splitting`); the prediction's rates are ``split_rates``,
-        measured here when None (:meth:`set_split_rates` replaces them, e.g. with rank 0's
-        under tensor parallelism)."""
-        granularity = check_granularity(granularity)
+        (:mod:`flowprefill.prefill.executor.splitting`); the prediction's rates are
+        ``split_rates``, measured here when None (:meth:`set_split_rates` replaces them,
+        e.g. with rank 0's under tensor parallelism).
+
+        The patches, in order (each undone by :meth:`close`, in reverse; a construction
+        that fails undoes those already applied):
+
+        1. attention runs per request segment (:mod:`~flowprefill.prefill.executor.attention`);
+        2. checkpoint hooks at ``granularity``;
+        3. with fast kernels, the decoder's linears on prepacked weights;
+        4. with splitting, the decoder's linears and expert blocks split into tiles, and a
+           checkpoint at the entry of every decoder layer; then the rates are measured
+           (unless given) and one forward is traced for :meth:`expected_checkpoints`.
+        """
+        # Every option is checked before the model is touched.
+        self.granularity = check_granularity(granularity)
         self.kernels = resolve_kernels(kernels)
         self.sync_mode: SyncMode = check_sync_mode(sync)
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+        self.chunk_size = chunk_size
+        max_blocking_s = _split_bound(max_blocking_ms, self.granularity)
+
         self.device = torch.device(device) if device is not None else model.device
         # nn.Module.to directly: transformers' typing of PreTrainedModel.to confuses mypy.
         torch.nn.Module.to(model, self.device)
         self.model = model.eval()
-        self.backend = backend if backend is not None else backend_for(self.device)
-        self.backend.prepare()
-        self.granularity = granularity
-        self.chunk_size = chunk_size
+        self.streams = streams if streams is not None else streams_for(self.device)
+        self.streams.prepare()
+        self._on_boundary = boundary_fn(self.streams, self.sync_mode)
         self._kv_gather = kv_gather
-        self._on_boundary = boundary_fn(self.backend, self.sync_mode)
-        # Attention runs per request segment (see executor/attention.py); restored by close().
-        self._original_attention = model.config._attn_implementation
-        model.set_attn_implementation(register_packed_attention())
-        try:
-            # Hooks also start a new stretch for operator splitting (a no-op without it).
-            self._handle = install_checkpoints(
-                model, granularity, on_boundary=hooked(self._on_boundary)
-            )
-        except BaseException:
-            model.set_attn_implementation(self._original_attention)
-            raise
-        # After the checkpoints: installing those refuses a model another executor holds.
-        self._linears = FastLinearHandle()
-        if self.kernels is Kernels.FAST:
-            try:
-                self._linears = install_fast_linears(find_decoder_layers(model)[1])
-            except NoBoundariesError:
-                pass  # no decoder stack found: run the model's own linears
-            except BaseException:
-                self._handle.remove()
-                model.set_attn_implementation(self._original_attention)
-                raise
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.max_prompt_tokens = int(config.max_position_embeddings)
         self.num_layers = int(config.num_hidden_layers)
+
+        self._linears = FastLinearHandle()
         self._split = SplitHandle()
         self._split_policy: SplitPolicy | None = None
+        self._num_entry_checkpoints = 0
         self._trace: list[Event] = []
-        self._recorder: TraceRecorder | None = None
-        self._entry_hooks: list[RemovableHandle] = []
-        if max_blocking_ms is not None and granularity is Granularity.OPERATOR:
-            try:
-                self._install_splitting(model, max_blocking_ms, split_rates)
-            except BaseException:
-                self.close()
-                raise
-        # After every install: prepacked weights are module attributes, not a task's.
+        with ExitStack() as patches:
+            patches.callback(_use_packed_attention(model))
+            # Hooks also start a new stretch for operator splitting (a no-op without it).
+            self._checkpoints = install_checkpoints(
+                model, self.granularity, on_boundary=hooked(self._on_boundary)
+            )
+            patches.callback(self._checkpoints.remove)
+            # After the checkpoints: installing those refuses a model another executor holds.
+            if self.kernels is Kernels.FAST:
+                self._linears = _install_fast_linears(model)
+                patches.callback(self._linears.remove)
+            if max_blocking_s is not None:
+                # Wraps the fast linears' forward, so it is undone before them.
+                self._split = _install_split_operators(model)
+                patches.callback(self._split.remove)
+                rates = split_rates if split_rates is not None else self._calibrate(max_blocking_s)
+                layers = find_decoder_layers(model)[1]
+                patches.callback(_checkpoint_layer_entries(layers, hooked(self._on_boundary)))
+                self._num_entry_checkpoints = len(layers)
+                self._trace = self._trace_forward()
+                self._split_policy = SplitPolicy(max_blocking_s, rates)
+            self._undo = patches.pop_all()
+        # After every patch: prepacked weights are module attributes, not a task's.
         self._weights = weight_storages(model)
         self.footprint = ParkedFootprint.of_model(config, next(model.parameters()).dtype)
         """Bounds what a parked task holds (the scheduler's parked-memory budget)."""
 
-    def _install_splitting(
-        self, model: PreTrainedModel, max_blocking_ms: float, rates: SplitRates | None
-    ) -> None:
-        if not max_blocking_ms > 0:
-            raise ValueError(f"max_blocking_ms must be positive, got {max_blocking_ms}")
-        config = model.config
-        self._split = install_split_operators(
-            find_decoder_layers(model)[1],
-            top_k=int(getattr(config, "num_experts_per_tok", 1) or 1),
+    def _calibrate(self, max_blocking_s: float) -> SplitRates:
+        """Measure the split operators' rates on this device (0.1-0.3 s on CPU)."""
+        heads, head_dim = _attention_shape(self.model)
+        return calibrate(
+            self._split,
+            heads,
+            head_dim,
+            self.device,
+            next(self.model.parameters()).dtype,
+            lambda: self.streams.synchronize(None),
+            max_blocking_s=max_blocking_s,
         )
-        if rates is None:
-            heads, head_dim = _attention_shape(model)
-            rates = calibrate(
-                self._split,
-                heads,
-                head_dim,
-                self.device,
-                next(model.parameters()).dtype,
-                lambda: self.backend.synchronize(None),
-                max_blocking_s=max_blocking_ms / 1000.0,
-            )
-        # A checkpoint at the entry of every decoder layer: the first layer's is the only
-        # one after the embedding (a pass's prologue no longer shares a stretch with layer
-        # 0's first operators); the others fall right after down_proj's and cost a call.
-        boundary = hooked(self._on_boundary)
 
-        def entry(_module: torch.nn.Module, _args: object) -> None:
-            boundary()
-
-        layers = find_decoder_layers(model)[1]
-        self._entry_hooks = [layer.register_forward_pre_hook(entry) for layer in layers]
-        # The order of operators and hooks in one forward, for expected_checkpoints.
-        self._recorder = TraceRecorder()
-        try:
-            self.prefill([[0] * 4])
-        finally:
-            self._trace, self._recorder = self._recorder.events, None
-        self._split_policy = SplitPolicy(max_blocking_ms / 1000.0, rates)
+    def _trace_forward(self) -> list[Event]:
+        """The order of operators and hook checkpoints in one forward (nothing split), which
+        :meth:`expected_checkpoints` replays for any prompt lengths."""
+        recorder = TraceRecorder()
+        self._prefill(self.validate([[0] * 4]), trace=recorder)
+        return recorder.events
 
     # ------------------------------------------------------------------ facts
 
     @property
     def num_checkpoints_per_forward(self) -> int:
-        return self._handle.num_checkpoints_per_forward
+        return self._checkpoints.num_checkpoints_per_forward
 
     @property
     def placed_checkpoints(self) -> list[str]:
         """Labels of the installed checkpoints in firing order (one forward)."""
-        return describe(self._handle.placed)
+        return describe(self._checkpoints.placed)
 
     @property
     def split_policy(self) -> SplitPolicy | None:
@@ -263,7 +257,7 @@ class PreemptibleExecutor:
         spans = chunk_spans(sum(prompt_lengths), self.chunk_size)
         total = len(spans) * self.num_checkpoints_per_forward + (len(spans) - 1)
         if self._split_policy is not None:
-            total += len(spans) * len(self._entry_hooks)
+            total += len(spans) * self._num_entry_checkpoints
             starts = [sum(prompt_lengths[:i]) for i in range(len(prompt_lengths))]
             for start, end in spans:
                 segments = chunk_segments(starts, prompt_lengths, start, end)
@@ -325,30 +319,33 @@ class PreemptibleExecutor:
         control is cancelled at a checkpoint.
         """
         tokens = self.validate(prompts)
-        stream = self.backend.new_stream()
+        stream = self.streams.new_stream()
         check_sync = None
-        if control is not None and self.backend.asynchronous:
+        if control is not None and self.streams.asynchronous:
 
             def drain() -> None:
-                self.backend.synchronize(stream)
+                self.streams.synchronize(stream)
 
             control.device_sync = drain
             check_sync = drain if self.sync_mode == "every_check" else None
         if control is not None:
             control.held_bytes = measure_current_thread(self._weights)
-        with activate(control), per_check_sync(check_sync), self.backend.stream_context(stream):
+        with thread_context.task(control, check_sync), self.streams.stream_context(stream):
             outputs = self._prefill(tokens)
         # Results leave the task only once the device has produced them.
-        self.backend.synchronize(stream)
+        self.streams.synchronize(stream)
         return outputs
 
     def prefill(self, prompts: Sequence[PromptLike]) -> list[PrefillOutput]:
         """Prefill on the calling thread's current stream and active control (if any)."""
         return self._prefill(self.validate(prompts))
 
-    def _prefill(self, tokens: list[torch.Tensor]) -> list[PrefillOutput]:
+    def _prefill(
+        self, tokens: list[torch.Tensor], trace: TraceRecorder | None = None
+    ) -> list[PrefillOutput]:
+        """``trace``: record the forward instead of splitting its operators."""
         lengths = [int(t.numel()) for t in tokens]
-        control = current_control()
+        control = thread_context.control
         if control is not None:
             control.num_checkpoints_expected = control.num_checkpoints + self.expected_checkpoints(
                 lengths
@@ -356,11 +353,14 @@ class PreemptibleExecutor:
         with torch.inference_mode():
             batch = pack(tokens, self.device)
             cache = DynamicCache(config=self.model.config)
-            logits = self._forward_chunks(batch, cache)
+            logits = self._forward_chunks(batch, cache, trace)
             return self._collect(batch, cache, logits)
 
-    def _forward_chunks(self, batch: PackedBatch, cache: DynamicCache) -> list[torch.Tensor]:
+    def _forward_chunks(
+        self, batch: PackedBatch, cache: DynamicCache, trace: TraceRecorder | None
+    ) -> list[torch.Tensor]:
         """Run the forward pass(es); return each request's last-position logits."""
+        fast = self.kernels is Kernels.FAST
         last_indices = batch.last_indices
         logits: list[torch.Tensor | None] = [None] * batch.num_requests
         for chunk_index, (start, end) in enumerate(chunk_spans(batch.num_tokens, self.chunk_size)):
@@ -372,11 +372,8 @@ class PreemptibleExecutor:
                 [last_indices[r] - start for r in finishing], dtype=torch.long, device=self.device
             )
             segments = chunk_segments(batch.starts, batch.lengths, start, end)
-            with (
-                packed_segments(segments),
-                fast_kernels(self.kernels is Kernels.FAST),
-                self._splitting(),
-            ):
+            packer = trace if trace is not None else self._packer()
+            with thread_context.forward(segments, packer, fast):
                 out = self.model(
                     input_ids=batch.input_ids[:, start:end],
                     position_ids=batch.position_ids[:, start:end],
@@ -389,10 +386,11 @@ class PreemptibleExecutor:
         assert all(item is not None for item in logits)
         return [item for item in logits if item is not None]
 
-    def _splitting(self) -> AbstractContextManager[None]:
-        if self._recorder is not None:
-            return record_trace(self._recorder)
-        return splitting(self._split_policy, self._on_boundary)
+    def _packer(self) -> Packer | None:
+        """A fresh packer for one forward pass; None when nothing is split."""
+        if self._split_policy is None:
+            return None
+        return Packer(self._split_policy, self._on_boundary)
 
     def _collect(
         self, batch: PackedBatch, cache: DynamicCache, logits: list[torch.Tensor]
@@ -417,22 +415,74 @@ class PreemptibleExecutor:
         return outputs
 
     def close(self) -> None:
-        """Remove the checkpoint hooks, split operators and fast linears and restore the
-        model's attention implementation."""
-        self._handle.remove()
-        for hook in self._entry_hooks:
-            hook.remove()
-        self._entry_hooks.clear()
-        self._split.remove()  # before the fast linears: it wraps their forward
-        self._linears.remove()
-        if self.model.config._attn_implementation != self._original_attention:
-            self.model.set_attn_implementation(self._original_attention)
+        """Undo the construction's patches, last first: the model is as it was given
+        (on this executor's device, in eval mode). Closing again does nothing."""
+        self._undo.close()
 
     def __enter__(self) -> PreemptibleExecutor:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _split_bound(max_blocking_ms: float | None, granularity: Granularity) -> float | None:
+    """The splitting bound in seconds; None when nothing is split (unset, or a coarser
+    granularity than operator, which keeps its own contract)."""
+    if max_blocking_ms is None or granularity is not Granularity.OPERATOR:
+        return None
+    if not max_blocking_ms > 0:
+        raise ValueError(f"max_blocking_ms must be positive, got {max_blocking_ms}")
+    return max_blocking_ms / 1000.0
+
+
+# The patches: each changes the model and returns (or is) how to undo it.
+
+
+def _use_packed_attention(model: PreTrainedModel) -> Undo:
+    """Run attention per request segment; the undo restores the implementation the model
+    had (unless someone has set another since)."""
+    original = model.config._attn_implementation
+    model.set_attn_implementation(register_packed_attention())
+
+    def undo() -> None:
+        if model.config._attn_implementation != original:
+            model.set_attn_implementation(original)
+
+    return undo
+
+
+def _install_fast_linears(model: PreTrainedModel) -> FastLinearHandle:
+    """Prepacked oneDNN linears in the decoder stack (none when there is no stack to find:
+    the model's own linears run)."""
+    try:
+        layers = find_decoder_layers(model)[1]
+    except NoBoundariesError:
+        return FastLinearHandle()
+    return install_fast_linears(layers)
+
+
+def _install_split_operators(model: PreTrainedModel) -> SplitHandle:
+    """Row-tiled linears and expert blocks in the decoder stack."""
+    top_k = int(getattr(model.config, "num_experts_per_tok", 1) or 1)
+    return install_split_operators(find_decoder_layers(model)[1], top_k=top_k)
+
+
+def _checkpoint_layer_entries(layers: torch.nn.ModuleList, boundary: Callable[[], None]) -> Undo:
+    """A checkpoint at the entry of every decoder layer: the first layer's is the only one
+    after the embedding (a pass's prologue no longer shares a stretch with layer 0's first
+    operators); the others fall right after down_proj's and cost a call."""
+
+    def entry(_module: torch.nn.Module, _args: object) -> None:
+        boundary()
+
+    hooks = [layer.register_forward_pre_hook(entry) for layer in layers]
+
+    def undo() -> None:
+        for hook in hooks:
+            hook.remove()
+
+    return undo
 
 
 def _attention_shape(model: PreTrainedModel) -> tuple[int, int]:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +45,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from flowprefill.prefill.executor.context import thread_context
 from flowprefill.prefill.executor.packing import Segment
-from flowprefill.prefill.executor.threadlocal import ThreadSlot
 from flowprefill.prefill.executor.tiling import (
     MIN_ROWS,
     RowProfile,
@@ -253,25 +252,13 @@ class Packer:
         return added
 
 
-_packer: ThreadSlot[Packer | None] = ThreadSlot(None)
-
-
-def current_packer() -> Packer | None:
-    return _packer.get()
-
-
-def splitting(
-    policy: SplitPolicy | None, on_boundary: Callable[[], None]
-) -> AbstractContextManager[None]:
-    """Split operators on this thread for the block (a forward pass); None: don't."""
-    return _packer.bound(Packer(policy, on_boundary) if policy is not None else None)
-
-
 def hooked(on_boundary: Callable[[], None]) -> Callable[[], None]:
-    """``on_boundary`` for the operator-boundary hooks: it also starts a new stretch."""
+    """``on_boundary`` for the operator-boundary hooks: it also starts a new stretch of the
+    packer bound on this thread (if any)."""
+    context = thread_context
 
     def boundary() -> None:
-        packer = _packer.get()
+        packer = context.packer
         if packer is not None:
             packer.hook()
         on_boundary()
@@ -317,7 +304,7 @@ def _tiled(
 ) -> torch.Tensor:
     """Run ``inner`` over tiles of the rows of ``x`` (and of ``rest``), each tile a piece
     of the stretch, into one preallocated output (a ``cat`` would copy it twice)."""
-    packer = _packer.get()
+    packer = thread_context.packer
     if packer is None:
         return inner(x, *rest)
     width = x.shape[-1]
@@ -378,7 +365,8 @@ class SplitHandle:
 
 def install_split_operators(layers: nn.Module, top_k: int = 1) -> SplitHandle:
     """Wrap every ``nn.Linear`` and fused experts block under ``layers`` (the decoder
-    stack) so it splits into row tiles while :func:`splitting` is active. Composes with
+    stack) so it splits into row tiles while a packer is bound on the calling thread
+    (:meth:`~flowprefill.prefill.executor.context.ThreadContext.forward`). Composes with
     :mod:`flowprefill.prefill.executor.kernels`: the wrapper calls whatever forward was there.
     ``top_k``: experts per token (MoE cost per row)."""
     handle = SplitHandle()
@@ -428,11 +416,6 @@ class TraceRecorder(Packer):
 
     def hook(self) -> None:
         self.events.append(("hook", 0.0))
-
-
-def record_trace(recorder: TraceRecorder) -> AbstractContextManager[None]:
-    """Record the forward passes of the block into ``recorder.events``."""
-    return _packer.bound(recorder)
 
 
 def count_checkpoints(

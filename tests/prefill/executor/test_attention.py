@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from flowprefill.prefill.executor.attention import packed_attention, packed_segments, register
+from flowprefill.prefill.executor.attention import packed_attention, register
+from flowprefill.prefill.executor.context import thread_context
 from flowprefill.prefill.executor.packing import chunk_segments, chunk_spans, pack
 
 
@@ -47,7 +48,7 @@ def test_packed_attention_matches_block_diagonal_mask(lengths: list[int], chunk:
         allowed = (seq[start:end, None] == seq[None, :end]) & (
             torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
         )
-        with packed_segments(chunk_segments(batch.starts, batch.lengths, start, end)):
+        with thread_context.forward(chunk_segments(batch.starts, batch.lengths, start, end)):
             got, _ = packed_attention(_Module(), q, k, v, None, scaling=8**-0.5)
         torch.testing.assert_close(got, _reference(q, k, v, allowed), atol=1e-5, rtol=1e-5)
 

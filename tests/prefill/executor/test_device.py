@@ -1,4 +1,4 @@
-"""Stream and sync logic of the device layer, exercised on CPU through a fake backend.
+"""Stream and sync logic of the device layer, exercised on CPU through fake streams.
 
 The fake claims to be asynchronous (like CUDA) and records every call, so the tests see
 exactly when a task's stream would be synchronised relative to checkpoints and the ACK.
@@ -16,16 +16,16 @@ from transformers import PreTrainedModel
 
 from flowprefill.errors import UnknownNameError
 from flowprefill.prefill.executor.device import (
-    CpuBackend,
-    CudaBackend,
-    backend_for,
+    CpuStreams,
+    CudaStreams,
     boundary_fn,
     check_sync_mode,
+    streams_for,
     synchronizing_checkpoint,
 )
 from flowprefill.prefill.executor.preemption import TaskControl, checkpoint
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
-from tests.executor.helpers import StopAt, TaskThread, assert_bit_identical, random_prompts
+from tests.prefill.executor.helpers import StopAt, TaskThread, assert_bit_identical, random_prompts
 
 MakeExecutor = Callable[..., PreemptibleExecutor]
 
@@ -35,7 +35,7 @@ class FakeStream:
         self.index = index
 
 
-class FakeAsyncBackend:
+class FakeAsyncStreams:
     """Records stream events: ("new", i), ("enter", i), ("exit", i), ("sync", i, n)."""
 
     asynchronous = True
@@ -81,17 +81,17 @@ class FakeAsyncBackend:
         return [e[2] for e in self.events if e[0] == "sync" and e[1] == stream_index]  # type: ignore[misc]
 
 
-def test_backend_selection_and_modes() -> None:
-    assert isinstance(backend_for(torch.device("cpu")), CpuBackend)
-    cuda = backend_for(torch.device("cuda", 1))  # building it touches no CUDA state
-    assert isinstance(cuda, CudaBackend)
+def test_streams_selection_and_modes() -> None:
+    assert isinstance(streams_for(torch.device("cpu")), CpuStreams)
+    cuda = streams_for(torch.device("cuda", 1))  # building it touches no CUDA state
+    assert isinstance(cuda, CudaStreams)
     assert cuda.device == torch.device("cuda", 1)
     with pytest.raises(ValueError, match="unsupported device type 'meta'"):
-        backend_for(torch.device("meta"))
+        streams_for(torch.device("meta"))
     with pytest.raises(UnknownNameError):
         check_sync_mode("never")
     # What the hooks call: a per-check sync only for async devices in every_check mode.
-    assert boundary_fn(CpuBackend(), "every_check") is checkpoint
+    assert boundary_fn(CpuStreams(), "every_check") is checkpoint
     assert boundary_fn(cuda, "on_preempt") is checkpoint
     assert boundary_fn(cuda, "every_check") is synchronizing_checkpoint
 
@@ -108,59 +108,59 @@ def test_cpu_run_sets_no_device_sync(
 def test_every_check_syncs_the_task_stream_at_each_checkpoint(
     tiny_models: dict[str, PreTrainedModel], make_executor: MakeExecutor
 ) -> None:
-    backend = FakeAsyncBackend()
+    streams = FakeAsyncStreams()
     executor = make_executor(
-        tiny_models["qwen2"], granularity="operator", chunk_size=8, backend=backend
+        tiny_models["qwen2"], granularity="operator", chunk_size=8, streams=streams
     )
-    assert backend.prepared == 1
+    assert streams.prepared == 1
     control = TaskControl()
-    backend.controls[1] = control
+    streams.controls[1] = control
     prompts = random_prompts([6, 14], executor.vocab_size, seed=21)
     executor.run(prompts, control)
     expected = executor.expected_checkpoints([6, 14])
     # One sync before each checkpoint (chunk boundaries included), one before returning.
-    assert backend.syncs(1) == [*range(expected), expected]
-    assert backend.events[:2] == [("new", 1), ("enter", 1)]
-    assert backend.events[-2:] == [("exit", 1), ("sync", 1, expected)]
+    assert streams.syncs(1) == [*range(expected), expected]
+    assert streams.events[:2] == [("new", 1), ("enter", 1)]
+    assert streams.events[-2:] == [("exit", 1), ("sync", 1, expected)]
 
 
 def test_on_preempt_syncs_only_when_parking_and_before_the_ack(
     tiny_models: dict[str, PreTrainedModel], make_executor: MakeExecutor
 ) -> None:
-    backend = FakeAsyncBackend()
-    executor = make_executor(tiny_models["llama"], sync="on_preempt", backend=backend)
+    streams = FakeAsyncStreams()
+    executor = make_executor(tiny_models["llama"], sync="on_preempt", streams=streams)
     prompts = random_prompts([12], executor.vocab_size, seed=22)
     solo = executor.prefill(prompts)
     control = StopAt("A", at=[3, 7])
-    backend.controls[1] = control
+    streams.controls[1] = control
     task = TaskThread(executor, prompts, control).start()
     control.preempt_at(3)
     # The drain ran before request_preempt returned, i.e. before the ACK reached us.
-    assert backend.syncs(1) == [3]
+    assert streams.syncs(1) == [3]
     control.resume()
     control.preempt_at(7)
-    assert backend.syncs(1) == [3, 7]
+    assert streams.syncs(1) == [3, 7]
     control.resume()
     assert_bit_identical(task.join(), solo)
-    assert backend.syncs(1) == [3, 7, executor.expected_checkpoints([12])]
+    assert streams.syncs(1) == [3, 7, executor.expected_checkpoints([12])]
 
 
 def test_per_check_sync_is_per_thread(
     tiny_models: dict[str, PreTrainedModel], make_executor: MakeExecutor
 ) -> None:
     """A parked task's stream is not synced by another task's checkpoints."""
-    backend = FakeAsyncBackend()
-    executor = make_executor(tiny_models["qwen3-moe"], backend=backend)
+    streams = FakeAsyncStreams()
+    executor = make_executor(tiny_models["qwen3-moe"], streams=streams)
     control_a = StopAt("A", at=[2])
-    backend.controls[1] = control_a
+    streams.controls[1] = control_a
     a = TaskThread(executor, random_prompts([4], executor.vocab_size, 23), control_a).start()
     control_a.preempt_at(2)
-    syncs_a = len(backend.syncs(1))
+    syncs_a = len(streams.syncs(1))
     control_b = TaskControl("B")
-    backend.controls[2] = control_b
+    streams.controls[2] = control_b
     TaskThread(executor, random_prompts([4], executor.vocab_size, 24), control_b).start().join()
-    assert len(backend.syncs(1)) == syncs_a
-    assert len(backend.syncs(2)) == executor.expected_checkpoints([4]) + 1
+    assert len(streams.syncs(1)) == syncs_a
+    assert len(streams.syncs(2)) == executor.expected_checkpoints([4]) + 1
     control_a.resume()
     a.join()
 
@@ -168,7 +168,7 @@ def test_per_check_sync_is_per_thread(
 def test_prefill_without_run_never_syncs(
     tiny_models: dict[str, PreTrainedModel], make_executor: MakeExecutor
 ) -> None:
-    backend = FakeAsyncBackend()
-    executor = make_executor(tiny_models["llama"], backend=backend)
+    streams = FakeAsyncStreams()
+    executor = make_executor(tiny_models["llama"], streams=streams)
     executor.prefill(random_prompts([4], executor.vocab_size, seed=25))
-    assert backend.events == []
+    assert streams.events == []

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from flowprefill.errors import TaskCancelledError
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
-from tests.executor.helpers import (
+from tests.prefill.executor.helpers import (
     TIMEOUT_S,
     StopAt,
     TaskThread,

@@ -18,7 +18,7 @@ from flowprefill.models import ModelSize, build_model
 from flowprefill.prefill.executor.kernels import resolve_kernels
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
-from tests.executor.helpers import (
+from tests.prefill.executor.helpers import (
     StopAt,
     TaskThread,
     assert_bit_identical,

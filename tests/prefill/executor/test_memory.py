@@ -16,7 +16,7 @@ from flowprefill.prefill.executor.pool import ExecutionPool
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from flowprefill.prefill.request import Request, Task
-from tests.executor.helpers import random_prompts
+from tests.prefill.executor.helpers import random_prompts
 
 
 class MeasureEveryCheckpoint:

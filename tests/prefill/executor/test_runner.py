@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from flowprefill.errors import InvalidRequestError, UnknownNameError
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
-from tests.executor.helpers import assert_close, random_prompts
+from tests.prefill.executor.helpers import assert_close, random_prompts
 
 MakeExecutor = Callable[..., PreemptibleExecutor]
 LENGTHS = [3, 17, 64, 1, 40]
@@ -157,4 +157,42 @@ def test_executor_restores_the_attention_implementation(make_executor: MakeExecu
     for prompt, got in zip(prompts, batched, strict=True):
         assert_close(got, executor.prefill([prompt])[0])
     executor.close()
+    assert model.config._attn_implementation == "eager"
+
+
+def _patched(model: torch.nn.Module) -> list[str]:
+    """What of the executor's patches is left on ``model``: hooks and replaced forwards."""
+    return [
+        name or "<model>"
+        for name, module in model.named_modules()
+        if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+    ]
+
+
+def test_a_construction_failing_midway_undoes_every_patch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last step (tracing a forward) fails after every patch was applied: all of them
+    are undone, and the model takes a new executor."""
+    from flowprefill.models import build_model
+    from flowprefill.prefill.executor.splitting import SplitRates
+
+    model = build_model("llama", "tiny", seed=3)
+    model.set_attn_implementation("eager")
+
+    def fail(_executor: PreemptibleExecutor) -> None:
+        assert _patched(model), "the failure must come after the patches"
+        raise RuntimeError("tracing failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PreemptibleExecutor, "_trace_forward", fail)
+        with pytest.raises(RuntimeError, match="tracing failed"):
+            PreemptibleExecutor(model, max_blocking_ms=5.0, split_rates=SplitRates(1e9, 1e9))
+    assert _patched(model) == []
+    assert model.config._attn_implementation == "eager"
+    executor = PreemptibleExecutor(model, max_blocking_ms=5.0, split_rates=SplitRates(1e9, 1e9))
+    assert _patched(model) != []
+    executor.close()
+    executor.close()  # closing again does nothing
+    assert _patched(model) == []
     assert model.config._attn_implementation == "eager"

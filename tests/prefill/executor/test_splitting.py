@@ -39,7 +39,7 @@ from flowprefill.prefill.executor.splitting import (
     row_tiles,
 )
 from flowprefill.prefill.executor.tiling import RowProfile
-from tests.executor.helpers import StopAt, TaskThread, assert_bit_identical, random_prompts
+from tests.prefill.executor.helpers import StopAt, TaskThread, assert_bit_identical, random_prompts
 
 MakeExecutor = Callable[..., PreemptibleExecutor]
 ATOL = 1e-5
