@@ -43,9 +43,16 @@ from typing import Any
 
 import torch
 import transformers
-from gpuval.blocking import section_blocking
-from gpuval.checks import section_checks, start_device_tests
-from gpuval.common import (
+
+# Run as a script: the repository root goes on the path so that ``benchmarks`` imports as a
+# package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console
+
+from benchmarks.gpuval.blocking import section_blocking
+from benchmarks.gpuval.checks import section_checks, start_device_tests
+from benchmarks.gpuval.common import (
     ARM_KWARGS,
     ROOT,
     SHAPES,
@@ -58,10 +65,9 @@ from gpuval.common import (
     plan_for,
     split_unsupported_reason,
 )
-from gpuval.operators import section_operators
-from gpuval.prefill import section_prefill
-from gpuval.urgent import section_urgent
-from rich.console import Console
+from benchmarks.gpuval.operators import section_operators
+from benchmarks.gpuval.prefill import section_prefill
+from benchmarks.gpuval.urgent import section_urgent
 
 SECTIONS: dict[str, Callable[[Context, dict[str, Any], float], None]] = {
     "checks": section_checks,

@@ -1,3 +1,3 @@
 """Sections of ``benchmarks/gpu_validate.py`` (one module each; ``common`` holds the shared
-context, the model, the time budget and the task plumbing). Imported as the top-level
-package ``gpuval``: running the script puts ``benchmarks/`` first on ``sys.path``."""
+context, the model, the time budget and the task plumbing). Imported as
+``benchmarks.gpuval``: the script puts the repository root on ``sys.path``."""

@@ -1,5 +1,5 @@
 """Section 3: preemption blocking time (signal → ACK) by granularity, sampled at random
-moments of a long prefill as benchmarks/preemption_blocking.py does; on CUDA every ACK is
+moments of a long prefill as benchmarks/prefill/preemption_blocking.py does; on CUDA every ACK is
 also checked to leave the task's stream idle."""
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from typing import Any
 
 import torch
 
-from flowprefill.prefill.executor.preemption import TaskControl
-from flowprefill.prefill.executor.runner import PreemptibleExecutor
-from gpuval.common import (
+from benchmarks.gpuval.common import (
     Context,
     Probe,
     TaskThread,
@@ -25,6 +23,8 @@ from gpuval.common import (
     new_table,
     percentile,
 )
+from flowprefill.prefill.executor.preemption import TaskControl
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
 
 
 def segment_model(

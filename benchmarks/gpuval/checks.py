@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from flowprefill.prefill.executor.preemption import TaskControl
-from gpuval.common import (
+from benchmarks.gpuval.common import (
     ROOT,
     Context,
     Probe,
@@ -27,6 +26,7 @@ from gpuval.common import (
     plain_forward,
     same_result,
 )
+from flowprefill.prefill.executor.preemption import TaskControl
 
 DEVICE_TESTS = ("tests/prefill/executor/test_device.py",)
 NO_STREAMS = "CPU: synchronous ops, no streams (tested with a fake async backend in test_device.py)"

@@ -17,8 +17,15 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from benchmarks.gpuval.common import (
+    SHAPES,
+    Context,
+    extrapolate_s,
+    free_memory,
+    memory_note,
+    new_table,
+)
 from flowprefill.lab.sim import vidur
-from gpuval.common import SHAPES, Context, extrapolate_s, free_memory, memory_note, new_table
 
 OPS = (*vidur.VIDUR_OPS, "attention")
 SHORT = {

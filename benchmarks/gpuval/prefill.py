@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from flowprefill.prefill.executor.preemption import TaskControl
-from gpuval.common import (
+from benchmarks.gpuval.common import (
     Context,
     executor_for,
     extrapolate_s,
@@ -20,6 +19,7 @@ from gpuval.common import (
     plain_forward,
     prefill_flops,
 )
+from flowprefill.prefill.executor.preemption import TaskControl
 
 
 def timed_run(ctx: Context, arm: str, prompt: torch.Tensor) -> tuple[float, str | None]:

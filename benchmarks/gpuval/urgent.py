@@ -8,10 +8,10 @@ import statistics
 import time
 from typing import Any
 
+from benchmarks.gpuval.common import Context, executor_for, free_memory, memory_note, new_table
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.predictor.model import TTFTPredictor
-from gpuval.common import Context, executor_for, free_memory, memory_note, new_table
 
 URGENT_SLO_S = 0.25  # the paper's text class on Llama-3-8B (Table 2)
 LONG_SLO_S = 6.0  # its file class

@@ -5,43 +5,27 @@ the outputs exist and are sane, and the calibration CSV parses with the simulato
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from benchmarks import gpu_validate
+from benchmarks.gpuval import operators
 from flowprefill.lab.sim import vidur
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sections: the gpuval package
-    spec = importlib.util.spec_from_file_location(
-        "gpu_validate", ROOT / "benchmarks" / "gpu_validate.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
 def test_quick_cpu_run_writes_sane_results_and_a_calibration_the_simulator_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    script = load_script(monkeypatch)
     threads = torch.get_num_threads()
     argv = ["--device", "cpu", "--model", "tiny", "--quick", "--threads", "1"]
     try:
         # A generous budget: on a loaded CI machine nothing should be skipped for time.
-        rc = script.main([*argv, "--budget-s", "240", "--out", str(tmp_path)])
+        rc = gpu_validate.main([*argv, "--budget-s", "240", "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
@@ -86,7 +70,6 @@ def test_quick_cpu_run_writes_sane_results_and_a_calibration_the_simulator_reads
     for op in vidur.VIDUR_OPS:
         assert f"time_stats.{op}.median" in header
     assert {"num_tokens", "num_tensor_parallel_workers"} <= set(header)
-    operators = importlib.import_module("gpuval.operators")
     table = operators.parse_with_simulator(path)[1]  # flowprefill.lab.sim.vidur's own parser
     assert list(table.num_tokens) == [1, 16, 64, 256, 1024]
     assert all(table.time_ms(op, 100) > 0 for op in vidur.VIDUR_OPS)

@@ -1,34 +1,19 @@
-"""benchmarks/sim_autoscale.py --quick: the comparison's table, JSON and plots (not its
+"""benchmarks/sim/autoscale.py --quick: the comparison's table, JSON and plots (not its
 figures)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "sim_autoscale", ROOT / "benchmarks" / "sim_autoscale.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks.sim import autoscale as bench
 
 
 def test_the_quick_run_writes_the_table_json_and_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench = _load()
     summary = bench.main(["--quick", "--jobs", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["systems"].keys() == set(bench.SYSTEMS) == summary["systems"].keys()

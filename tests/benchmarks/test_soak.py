@@ -1,39 +1,25 @@
-"""benchmarks/soak.py: the growth verdict on synthetic series, the reconciliation of the
+"""benchmarks/soak/soak.py: the growth verdict on synthetic series, the reconciliation of the
 gateway's counters (its own metrics class) with a client's outcomes, and one tiny real
 soak of a prefill-only ``flowprefill up``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from benchmarks.soak import counts, trend
 from flowprefill.bench.client import Outcome
 from flowprefill.gateway.errors import ShedError, UpstreamError
 from flowprefill.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-trend = _load("soak_trend")
-counts = _load("soak_counts")
 
 
 @pytest.mark.parametrize(
@@ -162,7 +148,7 @@ def test_a_tiny_soak_of_a_prefill_only_stack(tmp_path: Path) -> None:
         "OMP_NUM_THREADS": "1",
     }
     argv = [
-        sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--rate", "8",
+        sys.executable, str(ROOT / "benchmarks" / "soak" / "soak.py"), "--rate", "8",
         "--minutes", "0.3", "--warmup", "0.1", "--sample-s", "1", "--model", "tiny-llama",
         "--length-scale", "0.02", "--decode", "0", "--profile", str(profile),
         "--allow-growth", "--out", str(out),

@@ -1,35 +1,18 @@
-"""benchmarks/stack_bisect.py: the goodput search of the stack benchmark, driven by
+"""benchmarks/stack/goodput_search.py: the goodput search of the stack benchmark, driven by
 synthetic systems whose attainment falls at a known rate (no servers)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "stack_bisect", ROOT / "benchmarks" / "stack_bisect.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-sb = _load()
+from benchmarks.stack import goodput_search as sb
 
 
 def search(
@@ -96,9 +79,9 @@ def test_a_noisy_pass_above_a_failure_ends_the_search_at_the_highest_pass() -> N
     for rate, passed in [(2.0, False), (1.0, True)]:
         assert bis.next_rate() == pytest.approx(rate)
         bis.add(sb.Probe(rate, 0.95 if passed else 0.5, {}, 1.0))
-    rate = bis.next_rate()
-    assert rate == pytest.approx(math.sqrt(2.0), abs=1e-3)
-    bis.add(sb.Probe(rate, 0.95, {}, 1.0))
+    mid = bis.next_rate()
+    assert mid is not None and mid == pytest.approx(math.sqrt(2.0), abs=1e-3)
+    bis.add(sb.Probe(mid, 0.95, {}, 1.0))
     bis.add(sb.Probe(3.0, 0.95, {}, 1.0))  # a late pass above the failure
     assert bis.goodput == 3.0
     assert bis.done

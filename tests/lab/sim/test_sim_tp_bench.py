@@ -1,34 +1,20 @@
-"""Smoke test of benchmarks/sim_tp.py (Llama-3-70B, TP4) with tiny settings."""
+"""Smoke test of benchmarks/sim/tp.py (Llama-3-70B, TP4) with tiny settings."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from benchmarks.sim import tp as bench
 from flowprefill.contracts.slo import paper_ttft_slos_s
 from flowprefill.lab.sim.systems import PAPER_SYSTEMS
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_benchmark(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_tp", ROOT / "benchmarks" / "sim_tp.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look modules up
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_sim_tp_runs_the_70b_tp4_comparison_and_writes_its_summary(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench = load_benchmark(monkeypatch)
     argv = ["--num-requests", "60", "--seeds", "0", "--tolerance", "0.2"]
     argv += ["--slo-scales", "0.5,1,2", "--no-oracles", "--no-plots", "--no-progress"]
     argv += ["--jobs", "1", "--tp-check-us", "20", "--out", str(tmp_path)]

@@ -1,0 +1,1 @@
+"""vLLM decode under FlowPrefill's settings."""

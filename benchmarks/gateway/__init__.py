@@ -1,0 +1,1 @@
+"""The gateway alone: latency it adds and requests/s it sustains, against stub upstreams."""
