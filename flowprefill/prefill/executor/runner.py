@@ -177,12 +177,12 @@ class PreemptibleExecutor:
         self._split_policy: SplitPolicy | None = None
         self._num_entry_checkpoints = 0
         self._trace: list[Event] = []
+        # What the hooks call: a checkpoint that also starts a new stretch for operator
+        # splitting (a no-op without it).
+        boundary = hooked(self._on_boundary)
         with ExitStack() as patches:
             patches.callback(_use_packed_attention(model))
-            # Hooks also start a new stretch for operator splitting (a no-op without it).
-            self._checkpoints = install_checkpoints(
-                model, self.granularity, on_boundary=hooked(self._on_boundary)
-            )
+            self._checkpoints = install_checkpoints(model, self.granularity, boundary)
             patches.callback(self._checkpoints.remove)
             # After the checkpoints: installing those refuses a model another executor holds.
             if self.kernels is Kernels.FAST:
@@ -194,7 +194,7 @@ class PreemptibleExecutor:
                 patches.callback(self._split.remove)
                 rates = split_rates if split_rates is not None else self._calibrate(max_blocking_s)
                 layers = find_decoder_layers(model)[1]
-                patches.callback(_checkpoint_layer_entries(layers, hooked(self._on_boundary)))
+                patches.callback(_checkpoint_layer_entries(layers, boundary))
                 self._num_entry_checkpoints = len(layers)
                 self._trace = self._trace_forward()
                 self._split_policy = SplitPolicy(max_blocking_s, rates)
@@ -470,8 +470,8 @@ def _install_split_operators(model: PreTrainedModel) -> SplitHandle:
 
 def _checkpoint_layer_entries(layers: torch.nn.ModuleList, boundary: Callable[[], None]) -> Undo:
     """A checkpoint at the entry of every decoder layer: the first layer's is the only one
-    after the embedding (a pass's prologue no longer shares a stretch with layer 0's first
-    operators); the others fall right after down_proj's and cost a call."""
+    between the embedding and layer 0's first operators (so a pass's prologue gets a stretch
+    of its own); the others fall right after down_proj's and cost a call."""
 
     def entry(_module: torch.nn.Module, _args: object) -> None:
         boundary()
