@@ -1,23 +1,28 @@
 """Gateway overhead: latency it adds per request and requests/s it sustains (2 cores).
 
-Stub upstreams answer instantly — a prefill stub returns a fixed first token and a decode
+Stub upstreams answer instantly — a prefill stub answers a fixed first token and a decode
 stub streams a few fixed tokens — so what is measured is the gateway alone: parsing,
-classification, tokenization, routing, two upstream calls and the SSE relay. Each
-process (stubs, gateway, load generator) is separate, as in a deployment, and the gateway
-is served as ``flowprefill serve-gateway`` serves it (body-size limit, access log on, to a
-file here).
+classification, tokenization, routing, two upstream calls and the SSE relay. The stubs
+speak the wire formats the gateway reads: the prefill API's models
+(:mod:`flowprefill.contracts.prefill_api`) framed as the prefill server frames them (a
+streamed answer: the first token, then the KV hand-off event — null here, so decode
+"recomputes" — then ``[DONE]``), and vLLM's OpenAI completion stream with its usage chunk.
+Each process (stubs, gateway, load generator) is separate, as in a deployment, and the
+gateway is started with ``flowprefill serve-gateway`` (access log to a file here).
 
-    python benchmarks/gateway/overhead.py [--seconds 10] [--concurrency 32]
-    python benchmarks/gateway/overhead.py --gateway aiohttp httpx/asyncio/h11 --rounds 3
+    python benchmarks/gateway/overhead.py [--seconds 10] [--concurrency 32] [--rounds 3]
     python benchmarks/gateway/overhead.py --baseline HEAD~1 --rounds 3    # code compared
 
 Added latency = p50/p99 of (client → gateway → stubs) minus the stubs called directly in
-sequence (prefill then decode) by the same client, interleaved. Sustained = completed
-requests/s with ``--concurrency`` clients for ``--seconds``. On a small machine the load
-generator and the stubs take CPU the gateway could use, so the gateway's own CPU time per
-request (from /proc) is reported too: it does not depend on what else runs. With several
-gateways (``--gateway`` settings, ``--baseline`` git revisions) each runs in its own
-process and the measurements alternate between them, ``--rounds`` times.
+sequence (prefill then decode, the bodies the gateway sends) by the same client,
+interleaved. Sustained = completed requests/s with ``--concurrency`` clients for
+``--seconds``. On a small machine the load generator and the stubs take CPU the gateway
+could use, so the gateway's own CPU time per request (from /proc) is reported too: it does
+not depend on what else runs. With ``--baseline`` git revisions each gateway runs in its
+own process and the measurements alternate between them, ``--rounds`` times.
+
+Every answer is checked (status 200, no error event, ``[DONE]`` at the end); the command
+exits 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -42,9 +47,67 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from flowprefill.contracts.deployment import PREFILL_API_PATH
+from flowprefill.contracts.gateway import Endpoint, GatewayConfig
+from flowprefill.contracts.prefill_api import (
+    KVHandoffEvent,
+    PrefillLoad,
+    PrefillRequest,
+    PrefillResponse,
+)
+from flowprefill.contracts.slo import SLOTable, SLOTableClass
+from flowprefill.web.sse import DONE, MEDIA_TYPE, sse_event
+
 DECODE_TOKENS = 4
 PROMPT = "The quick brown fox jumps over the lazy dog"
 REPO = Path(__file__).resolve().parents[2]
+
+
+def prefill_answer(request: PrefillRequest) -> PrefillResponse:
+    """An idle instance's instant answer to ``request``."""
+    return PrefillResponse(
+        request_id=request.request_id,
+        first_token_id=42,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        ttft_s=0.0001,
+        met_slo=True,
+        num_preemptions=0,
+        batch_size=1,
+        load=PrefillLoad(backlog_tokens=0, queue_delay_s=0.0, num_requests=0),
+    )
+
+
+async def prefill_events(request: PrefillRequest) -> AsyncIterator[str]:
+    """A streamed prefill answer, framed as the prefill server frames it
+    (flowprefill/prefill/server/prefill.py, ``events``): the first token, the hand-off
+    event when one was asked for (null: no KV written, decode recomputes), ``[DONE]``."""
+    yield sse_event(prefill_answer(request))
+    if request.hand_off_kv:
+        yield sse_event(KVHandoffEvent(kv_transfer_params=None))
+    yield DONE
+
+
+async def decode_events(body: dict[str, Any]) -> AsyncIterator[str]:
+    """vLLM's OpenAI completion stream: one chunk per token, the usage chunk when
+    ``stream_options.include_usage`` asks for it (the gateway reads the completion tokens
+    from it), ``[DONE]``."""
+    n = min(DECODE_TOKENS, int(body.get("max_tokens", 1)))
+    envelope = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub"}
+    for i in range(n):
+        last = i == n - 1
+        choice = {
+            "index": 0,
+            "text": f" t{i}",
+            "logprobs": None,
+            "finish_reason": "length" if last else None,
+            "stop_reason": None,
+        }
+        yield sse_event({**envelope, "choices": [choice]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+        usage["total_tokens"] = usage["prompt_tokens"] + n
+        yield sse_event({**envelope, "choices": [], "usage": usage})
+    yield DONE
 
 
 def stub_app() -> Any:
@@ -53,28 +116,15 @@ def stub_app() -> Any:
 
     app = FastAPI()
 
-    @app.post("/v1/prefill")
-    async def prefill(body: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "request_id": body["request_id"],
-            "first_token_id": 42,
-            "num_prompt_tokens": len(body["prompt_token_ids"]),
-            "ttft_s": 0.0001,
-            "met_slo": True,
-            "num_preemptions": 0,
-            "batch_size": 1,
-            "kv_transfer_params": None,
-        }
+    @app.post(PREFILL_API_PATH, response_model=None)
+    async def prefill(request: PrefillRequest) -> PrefillResponse | StreamingResponse:
+        if request.stream:
+            return StreamingResponse(prefill_events(request), media_type=MEDIA_TYPE)
+        return prefill_answer(request)
 
     @app.post("/v1/completions")
     async def completions(body: dict[str, Any]) -> StreamingResponse:
-        async def gen() -> AsyncIterator[str]:
-            for i in range(min(DECODE_TOKENS, body.get("max_tokens", 1))):
-                chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(gen(), media_type="text/event-stream")
+        return StreamingResponse(decode_events(body), media_type=MEDIA_TYPE)
 
     @app.get("/health")
     @app.get("/ready")
@@ -90,81 +140,79 @@ def serve_stub(port: int) -> None:
     uvicorn.run(stub_app(), host="127.0.0.1", port=port, log_level="error")
 
 
-def serve_gateway(config: str, table: str, port: int, spec: str, src: str | None, log: str) -> None:
-    """As ``flowprefill serve-gateway`` does; ``src``: a checkout to import flowprefill from."""
+def start_gateway(config: Path, table: Path, port: int, src: str | None, log: Path) -> Any:
+    """``flowprefill serve-gateway`` in a process of its own; ``src``: a checkout to import
+    flowprefill from (an older revision's command, as it served then)."""
+    env = dict(os.environ)
     if src:
-        sys.path.insert(0, src)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    import uvicorn
-
-    from flowprefill.contracts import GatewayConfig
-    from flowprefill.gateway.app import create_gateway_app
-    from flowprefill.gateway.cli import build_state
-    from flowprefill.web.errors import BodySizeLimit
-
-    upstream_http, loop, http = parse_spec(spec)
-    kwargs: dict[str, Any] = {} if upstream_http == "auto" else {"upstream_http": upstream_http}
-    state = build_state(
-        GatewayConfig.model_validate_json(Path(config).read_text()), table, **kwargs
-    )
-    app = BodySizeLimit(create_gateway_app(state), 32 * 2**20)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="info", loop=loop, http=http)
-
-
-def parse_spec(spec: str) -> tuple[str, str, str]:
-    """``CLIENT[/LOOP[/HTTP]]``: the gateway's upstream HTTP client (auto, aiohttp, httpx),
-    uvicorn's event loop (auto, asyncio, uvloop) and HTTP parser (auto, h11, httptools);
-    auto is what ``flowprefill serve-gateway`` does."""
-    parts = [*spec.split("/"), "auto", "auto"][:3]
-    choices = (
-        ("auto", "aiohttp", "httpx"),
-        ("auto", "asyncio", "uvloop"),
-        ("auto", "h11", "httptools"),
-    )
-    for part, allowed in zip(parts, choices, strict=True):
-        if part not in allowed:
-            raise SystemExit(f"--gateway {spec!r}: {part!r} is not one of {allowed}")
-    return parts[0], parts[1], parts[2]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "flowprefill.cli", "serve-gateway"]
+    command += ["--config", str(config), "--slo-table", str(table)]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    with log.open("ab") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 # The load generator: aiohttp when installed (several times less CPU per request than
 # httpx, so it takes less of the machine from the gateway), else httpx.
 
+GATEWAY_BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": DECODE_TOKENS + 1, "stream": True}
+# What the gateway sends the stubs for GATEWAY_BODY (the prompt as tiny-llama tokenizes it).
+PREFILL_BODY = PrefillRequest(
+    request_id="direct",
+    prompt_token_ids=[1] * 11,
+    ttft_slo_s=0.25,
+    slo_class="chat",
+    hand_off_kv=True,
+    stream=True,
+).model_dump()
+DECODE_BODY = {
+    "model": "tiny",
+    "prompt": [1] * 11,
+    "max_tokens": DECODE_TOKENS,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+class StreamError(Exception):
+    """An answer that is not a whole, successful SSE stream."""
+
+
+def check_stream(lines: list[str]) -> None:
+    """Raise :class:`StreamError` unless ``lines`` are an SSE stream with no error event
+    that ends with ``[DONE]``."""
+    payloads = [line[5:].strip() for line in lines if line.startswith("data:")]
+    if not payloads or payloads[-1] != "[DONE]":
+        raise StreamError(f"no [DONE] at the end of the stream: {lines[-3:]!r}")
+    for payload in payloads[:-1]:
+        if "error" in json.loads(payload):
+            raise StreamError(payload)
+
 
 class Client:
-    async def gateway(self, url: str) -> None:
+    async def stream(self, url: str, body: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    async def gateway(self, url: str) -> None:
+        await self.stream(f"{url}/v1/completions", GATEWAY_BODY)
+
     async def direct(self, stub: str) -> None:
-        raise NotImplementedError
+        await self.stream(f"{stub}{PREFILL_API_PATH}", PREFILL_BODY)
+        await self.stream(f"{stub}/v1/completions", DECODE_BODY)
 
     async def close(self) -> None:
         raise NotImplementedError
-
-
-GATEWAY_BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": DECODE_TOKENS + 1, "stream": True}
-PREFILL_BODY = {"request_id": "x", "prompt_token_ids": [1] * 10, "ttft_slo_s": 1.0}
-DECODE_BODY = {"prompt": [1] * 11, "max_tokens": DECODE_TOKENS}
 
 
 class HttpxClient(Client):
     def __init__(self, concurrency: int) -> None:
         self.c = httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency))
 
-    async def _stream(self, url: str, body: dict[str, Any]) -> None:
+    async def stream(self, url: str, body: dict[str, Any]) -> None:
         async with self.c.stream("POST", url, json=body) as r:
             r.raise_for_status()
-            async for _ in r.aiter_lines():
-                pass
-
-    async def gateway(self, url: str) -> None:
-        await self._stream(f"{url}/v1/completions", GATEWAY_BODY)
-
-    async def direct(self, stub: str) -> None:
-        (await self.c.post(f"{stub}/v1/prefill", json=PREFILL_BODY)).raise_for_status()
-        await self._stream(f"{stub}/v1/completions", DECODE_BODY)
+            check_stream([line async for line in r.aiter_lines()])
 
     async def close(self) -> None:
         await self.c.aclose()
@@ -180,18 +228,9 @@ class AiohttpClient(Client):
             raise_for_status=True,
         )
 
-    async def _stream(self, url: str, body: dict[str, Any]) -> None:
+    async def stream(self, url: str, body: dict[str, Any]) -> None:
         async with self.c.post(url, json=body) as r:
-            async for _ in r.content.iter_any():
-                pass
-
-    async def gateway(self, url: str) -> None:
-        await self._stream(f"{url}/v1/completions", GATEWAY_BODY)
-
-    async def direct(self, stub: str) -> None:
-        async with self.c.post(f"{stub}/v1/prefill", json=PREFILL_BODY) as r:
-            await r.read()
-        await self._stream(f"{stub}/v1/completions", DECODE_BODY)
+            check_stream([line.decode() async for line in r.content])
 
     async def close(self) -> None:
         await self.c.close()
@@ -208,46 +247,69 @@ def make_client(kind: str, concurrency: int) -> Client:
     return AiohttpClient(concurrency) if kind == "aiohttp" else HttpxClient(concurrency)
 
 
+@dataclass
+class Failures:
+    """Requests that failed, and the first reason (the run goes on; the exit status says)."""
+
+    count: int = 0
+    first: str | None = None
+
+    def add(self, e: BaseException) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = f"{type(e).__name__}: {e}"
+
+
 async def timed(f: Callable[[], Awaitable[None]]) -> float:
     t0 = time.perf_counter()
     await f()
     return time.perf_counter() - t0
 
 
-async def latency(client: str, gw: str, stub: str, n: int) -> tuple[list[float], list[float]]:
+async def latency(
+    client: str, gw: str, stub: str, n: int, warmup: int, failures: Failures
+) -> tuple[list[float], list[float]]:
+    """``n`` interleaved pairs (through the gateway, direct), after ``warmup`` of each; a
+    pair with a failed request is left out (and counted in ``failures``)."""
     c = make_client(client, 1)
     via, direct = [], []
     try:
-        for _ in range(20):  # warm-up
-            await c.gateway(gw)
-            await c.direct(stub)
-        for _ in range(n):  # interleaved, so machine noise hits both alike
-            via.append(await timed(lambda: c.gateway(gw)))
-            direct.append(await timed(lambda: c.direct(stub)))
+        for i in range(warmup + n):  # interleaved, so machine noise hits both alike
+            try:
+                pair = (await timed(lambda: c.gateway(gw)), await timed(lambda: c.direct(stub)))
+            except Exception as e:
+                failures.add(e)
+                continue
+            if i >= warmup:
+                via.append(pair[0])
+                direct.append(pair[1])
     finally:
         await c.close()
     return via, direct
 
 
-async def throughput(client: str, gw: str, seconds: float, concurrency: int) -> tuple[int, int]:
-    done = errors = 0
+async def throughput(
+    client: str, gw: str, seconds: float, concurrency: int, failures: Failures
+) -> int:
+    """Requests completed through the gateway by ``concurrency`` clients in ``seconds``."""
+    done = 0
     c = make_client(client, concurrency)
     stop = time.perf_counter() + seconds
 
     async def worker() -> None:
-        nonlocal done, errors
+        nonlocal done
         while time.perf_counter() < stop:
             try:
                 await c.gateway(gw)
                 done += 1
-            except Exception:  # counted; the run goes on
-                errors += 1
+            except Exception as e:
+                failures.add(e)
 
     try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
         await c.close()
-    return done, errors
+    return done
 
 
 def cpu_seconds(pid: int) -> float:
@@ -264,14 +326,13 @@ def own_cpu_seconds() -> float:
 @dataclass
 class Variant:
     name: str
-    spec: str
     src: str | None
     port: int = 0
-    proc: mp.process.BaseProcess | None = None
+    proc: subprocess.Popen[bytes] | None = None
     via: list[float] = field(default_factory=list)
     direct: list[float] = field(default_factory=list)
     done: int = 0
-    errors: int = 0
+    failures: Failures = field(default_factory=Failures)
     wall_s: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=lambda: {"gateway": 0.0, "stub": 0.0})
     loadgen_cpu_s: float = 0.0
@@ -300,8 +361,10 @@ def checkout(rev: str, into: Path) -> str:
     return str(into)
 
 
-def wait_ready(url: str) -> None:
+def wait_ready(url: str, proc: Any = None) -> None:
     for _ in range(600):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url} exited ({proc.returncode}) before it was ready")
         try:
             if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
                 return
@@ -311,121 +374,93 @@ def wait_ready(url: str) -> None:
     raise RuntimeError(f"{url} did not become ready")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--seconds", type=float, default=10.0, help="throughput time per round")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests", type=int, default=300, help="latency samples per round")
-    ap.add_argument(
-        "--gateway",
-        nargs="+",
-        default=["auto"],
-        metavar="CLIENT[/LOOP[/HTTP]]",
-        help="gateway settings (see parse_spec), e.g. aiohttp httpx/asyncio/h11; several: "
-        "one gateway each, compared",
-    )
+    ap.add_argument("--warmup", type=int, default=20, help="unmeasured pairs per round")
     ap.add_argument(
         "--baseline",
         nargs="*",
         default=[],
         metavar="REV",
-        help="also run the gateway as of these git revisions (its default client)",
+        help="also run the gateway as of these git revisions",
     )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument(
         "--client", default="auto", choices=("auto", "aiohttp", "httpx"), help="load generator"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    from flowprefill.contracts import Endpoint, GatewayConfig
     from flowprefill.models import named_model_dir
 
     model_dir = named_model_dir("tiny-llama")
     tmp = Path(tempfile.mkdtemp())
-    for spec in args.gateway:
-        parse_spec(spec)
-    variants = [Variant(f"this tree, {spec}", spec, None) for spec in args.gateway]
+    variants = [Variant("this tree", None)]
     for rev in args.baseline:
-        variants.append(Variant(f"{rev}, auto", "auto", checkout(rev, tmp / f"src-{rev}")))
+        variants.append(Variant(rev, checkout(rev, tmp / f"src-{rev}")))
     stub_port = free_port()
     stub = f"http://127.0.0.1:{stub_port}"
-    (tmp / "slo.json").write_text(
-        json.dumps(
-            {
-                "version": 1,
-                "default_class": "chat",
-                "classes": [
-                    {
-                        "name": "chat",
-                        "task_type": "text",
-                        "ttft_slo_ms": 250,
-                        "priority": 0,
-                        "attainment_target": 0.9,
-                    }
-                ],
-            }
-        )
+    table = SLOTable(
+        default_class="chat",
+        classes=[
+            SLOTableClass(
+                name="chat", task_type="text", ttft_slo_ms=250, priority=0, attainment_target=0.9
+            )
+        ],
     )
-    ep = Endpoint(pool="s", host="127.0.0.1", port=stub_port, url=stub)
-    (tmp / "gw.json").write_text(
-        GatewayConfig(
-            service="bench",
-            model_name="tiny",
-            tokenizer_path=str(model_dir),
-            prefill=[ep],
-            decode=[ep],
-        ).model_dump_json()
+    (tmp / "slo.json").write_text(table.model_dump_json())
+    ep = Endpoint.at("s", "127.0.0.1", stub_port)
+    config = GatewayConfig(
+        service="bench",
+        model_name="tiny",
+        tokenizer_path=str(model_dir),
+        prefill=[ep],
+        decode=[ep],
     )
-    ctx = mp.get_context("spawn")
-    stub_proc = ctx.Process(target=serve_stub, args=(stub_port,), daemon=True)
+    (tmp / "gw.json").write_text(config.model_dump_json())
+    stub_proc = mp.get_context("spawn").Process(target=serve_stub, args=(stub_port,), daemon=True)
     stub_proc.start()
     for i, v in enumerate(variants):
         v.port = free_port()
-        v.proc = ctx.Process(
-            target=serve_gateway,
-            args=(
-                str(tmp / "gw.json"),
-                str(tmp / "slo.json"),
-                v.port,
-                v.spec,
-                v.src,
-                str(tmp / f"gateway-{i}.log"),
-            ),
-            daemon=True,
-        )
-        v.proc.start()
+        log = tmp / f"gateway-{i}.log"
+        v.proc = start_gateway(tmp / "gw.json", tmp / "slo.json", v.port, v.src, log)
     try:
         wait_ready(stub)
         for v in variants:
-            wait_ready(f"http://127.0.0.1:{v.port}")
+            wait_ready(f"http://127.0.0.1:{v.port}", v.proc)
         for _ in range(args.rounds):
             for v in variants:
                 gw = f"http://127.0.0.1:{v.port}"
-                via, direct = asyncio.run(latency(args.client, gw, stub, args.requests))
+                via, direct = asyncio.run(
+                    latency(args.client, gw, stub, args.requests, args.warmup, v.failures)
+                )
                 v.via += via
                 v.direct += direct
-                assert v.proc is not None and v.proc.pid is not None and stub_proc.pid is not None
+                assert v.proc is not None and stub_proc.pid is not None
                 before = (cpu_seconds(v.proc.pid), cpu_seconds(stub_proc.pid), own_cpu_seconds())
                 t0 = time.perf_counter()
-                done, errors = asyncio.run(
-                    throughput(args.client, gw, args.seconds, args.concurrency)
+                v.done += asyncio.run(
+                    throughput(args.client, gw, args.seconds, args.concurrency, v.failures)
                 )
                 v.wall_s += time.perf_counter() - t0
                 v.cpu_s["gateway"] += cpu_seconds(v.proc.pid) - before[0]
                 v.cpu_s["stub"] += cpu_seconds(stub_proc.pid) - before[1]
                 v.loadgen_cpu_s += own_cpu_seconds() - before[2]
-                v.done += done
-                v.errors += errors
     finally:
-        for p in [stub_proc, *(v.proc for v in variants if v.proc)]:
-            p.terminate()
+        stub_proc.terminate()
+        for v in variants:
+            if v.proc is not None:
+                v.proc.terminate()
+                v.proc.wait()
 
     console = Console(width=max(Console().width, 150))
     t = Table(
         title=f"gateway overhead (stub upstreams, {DECODE_TOKENS} decode tokens streamed; "
-        f"{args.rounds} round(s), {args.requests} sequential requests and {args.seconds:.0f} s "
+        f"{args.rounds} round(s), {args.requests} sequential requests and {args.seconds:g} s "
         f"at concurrency {args.concurrency} per round; load generator: {args.client})"
     )
     for col in (
@@ -437,7 +472,7 @@ def main() -> None:
         "req/s",
         "gw CPU ms/req",
         "CPU gw/stub/load",
-        "errors",
+        "failed",
     ):
         t.add_column(col, justify="left" if col == "gateway" else "right")
     for v in variants:
@@ -447,22 +482,32 @@ def main() -> None:
         )
         t.add_row(
             v.name,
-            f"{pct(v.via, 0.5) * 1e3:.2f}",
-            f"{pct(v.direct, 0.5) * 1e3:.2f}",
-            f"{pct(added, 0.5) * 1e3:.2f}",
-            f"{pct(added, 0.99) * 1e3:.2f}",
+            f"{pct(v.via, 0.5) * 1e3:.2f}" if v.via else "-",
+            f"{pct(v.direct, 0.5) * 1e3:.2f}" if v.direct else "-",
+            f"{pct(added, 0.5) * 1e3:.2f}" if added else "-",
+            f"{pct(added, 0.99) * 1e3:.2f}" if added else "-",
             f"{v.done / v.wall_s:.0f}",
             f"{v.cpu_s['gateway'] / max(v.done, 1) * 1e3:.2f}",
             share,
-            str(v.errors),
+            str(v.failures.count),
         )
     console.print(t)
-    console.print(
-        f"({os.cpu_count()} CPUs; mean sequential latency through the gateway: "
-        + ", ".join(f"{v.name} {statistics.mean(v.via) * 1e3:.2f} ms" for v in variants)
-        + ")"
-    )
+    if all(v.via for v in variants):
+        console.print(
+            f"({os.cpu_count()} CPUs; mean sequential latency through the gateway: "
+            + ", ".join(f"{v.name} {statistics.mean(v.via) * 1e3:.2f} ms" for v in variants)
+            + ")"
+        )
+    failed = [v for v in variants if v.failures.count]
+    for v in failed:
+        console.print(
+            f"{v.name}: {v.failures.count} request(s) failed; the first: {v.failures.first} "
+            f"(gateway logs: {tmp})",
+            style="red",
+            markup=False,
+        )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
