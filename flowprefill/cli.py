@@ -1,7 +1,10 @@
-"""``flowprefill`` command line: demo, profile, simulate.
+"""``flowprefill`` command line: the processes (``up``, ``serve-prefill``,
+``serve-gateway``) and the tools (``bench``, ``profile``, ``simulate``, ``demo``).
 
-Subcommands import their heavy dependencies (torch, transformers) only when they run,
-so ``flowprefill --help`` is instant.
+A subcommand's module, and with it its dependencies (torch, transformers, the lab's
+matplotlib), is imported only when that subcommand is chosen: ``flowprefill --help`` is
+instant, each process needs only its own extra, and no serving process imports the lab
+(tests/contracts/test_boundaries.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ miss it (no request of the class streamed a second token, none failed).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -133,12 +134,9 @@ def write(
     meta: dict[str, Any],
     rate_results: dict[float, dict[str, Any]],
     raw: dict[float, list[Outcome]],
-) -> tuple[Path, Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+) -> tuple[Path, Path | None]:
+    """bench.json and attainment.png in ``out_dir``; no PNG (None, a warning logged) where
+    matplotlib is not installed: it comes with the ``lab`` extra, not with bench's."""
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         **meta,
@@ -149,6 +147,17 @@ def write(
     }
     json_path = out_dir / "bench.json"
     json_path.write_text(json.dumps(report, indent=2))
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger(__name__).warning(
+            "attainment.png not written: matplotlib is not installed "
+            "(pip install 'flowprefill[lab]')"
+        )
+        return json_path, None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (ttft_ax, tbt_ax) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     rates = sorted(rate_results)
     names = [n for n in rate_results[rates[0]] if n != "all"] + ["all"]
