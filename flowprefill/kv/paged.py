@@ -94,5 +94,5 @@ def to_token_major(
     first, last = heads
     part = tensor[first:last].to(device=device, dtype=dtype, non_blocking=True)
     # stack over heads == permute(1, 0, 2).contiguous(), but several times faster on CPU
-    # for bfloat16 (measured 0.9 vs 6.7 ms for 2×4096×64): it copies whole rows per head.
+    # for bfloat16: it copies whole rows per head.
     return torch.stack(part.unbind(0), dim=1)

@@ -5,8 +5,8 @@ each read, busy-waits (``sched_yield`` in a loop) instead of sleeping, so the ne
 starts a few microseconds sooner (``SpinCondition`` in
 ``vllm.distributed.device_communicators.shm_broadcast``; 1 s is fixed in vllm 0.32). On a
 GPU node that spin has a core to itself. On a small CPU host beside a prefill instance it
-takes a core away: a prefill that followed a decode step ran 1.6-1.8x slower for that
-second (docs/stack.md), and stopping the spinning worker removed the slowdown.
+takes a core away from prefill for a second after every decode step (measured in
+docs/kv.md, "vLLM's idle busy-wait").
 
 ``$FLOWPREFILL_VLLM_IDLE_SPIN_S`` (seconds, e.g. ``0``) caps that busy-wait in every vLLM
 process that builds the FlowPrefill connector (its constructor calls :func:`cap_idle_spin`;
@@ -17,16 +17,14 @@ writer publishes its "written" notification on a PUB socket with a send high-wat
 1, and when two messages follow each other within a fraction of a millisecond (the engine
 sends ``execute_model`` and ``sample_tokens`` back to back every decode step) the second
 notification can be dropped. vLLM's 1 s spin hides that; a reader that only sleeps until
-notified would wait out vLLM's 5 s recheck interval once per decode step (a few-token
-decode then takes tens of seconds). With the slice a dropped notification costs at most
-``POLL_SLICE_MS``, and an idle reader wakes ``1000 / POLL_SLICE_MS`` times a second,
-microseconds each, instead of spinning on a core.
+notified would wait out vLLM's 5 s recheck interval once per decode step. With the slice
+a dropped notification costs at most ``POLL_SLICE_MS``, and an idle reader wakes
+``1000 / POLL_SLICE_MS`` times a second, microseconds each, instead of spinning on a core.
 
 ``flowprefill up`` and the operator's CPU decode pools set the cap to
 ``contracts.deployment.CPU_VLLM_IDLE_SPIN_S`` for their decode instances: 5 ms of
 spin still catches the second message of a pair without a sleep, where a cap of 0 leaves
-every step to the slice (``python benchmarks/vllm_idle_spin.py``: a 32-token decode takes
-0.81x vLLM's default time at 5 ms, 1.75x at 0).
+every step to the slice (docs/kv.md gives the decode times of both).
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from typing import Any
 from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV
 
 # The variable and the CPU hosts' cap (``flowprefill up``, the operator's CPU decode pools)
-# are deployment contracts; these names stay for the modules that import them from here.
+# are deployment contracts (``flowprefill.contracts.deployment``).
 POLL_SLICE_MS = 10
 """Longest sleep of a capped reader before it looks at its queue again (see above)."""
 

@@ -106,7 +106,8 @@ processes (vLLM's Kubernetes guide mounts 2Gi for its multi-GPU example)."""
 
 def shm_size_limit(spec: ServingPoolSpec) -> str | None:
     """sizeLimit of the pod's memory-backed /dev/shm: ``resources.shmSize``, else 1Gi per
-    rank with tensor parallelism, else none (one process needs little; as before)."""
+    rank with tensor parallelism, else none (the memory-backed volume without a limit: one
+    process needs little)."""
     if spec.resources.shm_size is not None:
         return spec.resources.shm_size
     tp = spec.tensor_parallel_size

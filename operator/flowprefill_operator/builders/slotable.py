@@ -73,8 +73,8 @@ def judge_classes(
 
 
 def _acceptance_message(spec: SLOClassSpec) -> str:
-    """ "in use", with a warning for a header rule on a claim header: before claim rules,
-    examples matched ``x-slo-class`` as a rule, which lets every client in."""
+    """ "in use", with a warning for a header rule on a claim header: a ``match`` rule on
+    ``x-slo-class`` lets every client that sends the header in; ``claim`` is what admits."""
     claim_headers = {SLO_CLASS_HEADER, SLO_OBJECTIVE_HEADER}
     ruled = sorted(h.name for h in spec.match.headers if h.name in claim_headers)
     if ruled:

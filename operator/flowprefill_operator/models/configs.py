@@ -1,10 +1,10 @@
 """Files the operator writes into ConfigMaps for the engine and the gateway.
 
-The formats belong to the processes that read them, so they are defined once, in the
-engine package: ``engine.json`` is :class:`flowprefill.config.EngineConfig` (read by
-``flowprefill serve-prefill``); ``gateway.json`` and ``slo-table.json`` are
-:mod:`flowprefill.contracts` (read by ``flowprefill serve-gateway``, which reloads the SLO
-table when the file changes). Documented in docs/operator.md.
+The formats belong to the processes that read them, so they are defined once, in
+:mod:`flowprefill.contracts`: ``engine.json`` is
+:class:`flowprefill.contracts.engine.EngineConfig` (read by ``flowprefill serve-prefill``);
+``gateway.json`` and ``slo-table.json`` are read by ``flowprefill serve-gateway``, which
+reloads the SLO table when the file changes. Documented in docs/operator.md.
 """
 
 from __future__ import annotations
