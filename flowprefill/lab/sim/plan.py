@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from flowprefill.errors import InvalidRequestError, UnknownNameError
+from flowprefill.errors import InvalidRequestError
 from flowprefill.lab.sim.cost import CostModel, PassCost, Segment
 
 
@@ -57,14 +57,6 @@ class Granularity(StrEnum):
     LAYER = "layer"
     NONE = "none"
     INSTANT = "instant"
-
-
-def get_granularity(name: str) -> Granularity:
-    try:
-        return Granularity(name.lower())
-    except ValueError:
-        known = [g.value for g in Granularity]
-        raise UnknownNameError("preemption granularity", name, known) from None
 
 
 def chunk_segments(lengths: Sequence[int], chunk_size: int | None) -> list[list[Segment]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from flowprefill.lab.sim.sweep import SweepResult, SystemOutcome
+from flowprefill.lab.sim.sweep import SweepResult
 
 CLASS_ORDER = ("text", "image", "search", "file")
 
@@ -211,15 +211,3 @@ def write_json(result: SweepResult, path: Path) -> None:
         for f in paper_comparison(result)
     ]
     path.write_text(json.dumps(_finite(payload), indent=2) + "\n")
-
-
-def outcome_row(o: SystemOutcome) -> dict[str, object]:
-    """A flat summary of one system (for benchmarks and docs)."""
-    return {
-        "system": o.name,
-        "goodput_rps": o.goodput_rps,
-        "oracle_rps": o.oracle_goodput_rps,
-        "tightest_slo_scale": o.tightest_slo_scale,
-        "blocking_mean_ms": o.reference.blocking_mean_ms,
-        "blocking_max_ms": o.reference.blocking_max_ms,
-    }

@@ -71,7 +71,6 @@ ATTENTION_OP = "attention"
 """The optional extra operator of a calibration: one layer's causal prefill attention of
 ``num_tokens`` tokens with no cache, on one GPU (its heads / TP), milliseconds."""
 
-STATS = ("min", "max", "mean", "median", "std")
 SHAPE_COLUMNS = {
     "n_head": "num_heads",
     "n_kv_head": "num_kv_heads",

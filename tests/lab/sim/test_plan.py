@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from flowprefill.errors import InvalidRequestError, UnknownNameError
-from flowprefill.lab.sim.plan import ExecutionPlan, Granularity, chunk_segments, get_granularity
+from flowprefill.errors import InvalidRequestError
+from flowprefill.lab.sim.plan import ExecutionPlan, Granularity, chunk_segments
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.prefill.request import Request, Task
 
@@ -58,12 +58,6 @@ def test_instant_is_anywhere_and_progress_is_time_fraction() -> None:
     p = plan(Granularity.INSTANT)
     assert p.next_checkpoint_s(0.123) == 0.123
     assert p.progress(0.505) == pytest.approx(0.5)
-
-
-def test_unknown_granularity_is_named() -> None:
-    assert get_granularity("Operator") is Granularity.OPERATOR
-    with pytest.raises(UnknownNameError, match="block"):
-        get_granularity("block")
 
 
 def test_tp_rank_agreement_is_paid_at_every_checkpoint_of_the_granularity() -> None:
