@@ -134,9 +134,9 @@ for name in "${ONLY[@]}"; do
         decode) bud "$image" "images/$name/Dockerfile" --build-arg BASE="$VLLM_BASE" ;;
         # The PyTorch index is unreachable here: the default index (PyPI) stands in for
         # it and the CPU torch wheel comes from /wheels (2.13.0+cpu outranks PyPI's 2.13.0).
-        prefill|gateway) bud "$image" "images/$name/Dockerfile" --build-arg BASE="$DEBIAN_BASE" \
+        prefill) bud "$image" "images/$name/Dockerfile" --build-arg BASE="$DEBIAN_BASE" \
             --build-arg TORCH_INDEX_URL=https://pypi.org/simple ;;
-        operator) bud "$image" "images/$name/Dockerfile" --build-arg BASE="$DEBIAN_BASE" ;;
+        gateway|operator) bud "$image" "images/$name/Dockerfile" --build-arg BASE="$DEBIAN_BASE" ;;
     esac
     record "$image" $((SECONDS - start))
 done

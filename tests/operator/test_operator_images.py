@@ -15,6 +15,8 @@ import pytest
 from flowprefill_operator.builders.gateway import gateway_command
 from flowprefill_operator.builders.pool import pool_process
 from flowprefill_operator.models import ServingPoolSpec
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = sorted((ROOT / "images").glob("*/Dockerfile"))
@@ -73,17 +75,27 @@ def test_operator_image_entry_point() -> None:
     module = cmd[cmd.index("-m") + 1]
     assert importlib.util.find_spec(module) is not None
     assert shutil.which("kopf", path=str(Path(sys.executable).parent)) is not None
+    # The image installs the operator extra under requirements.txt as constraints: every
+    # package the extra and the base dependencies name is pinned there, within their range.
     pins = {
-        line.split("==")[0].lower(): line.split("==")[1]
-        for line in (ROOT / "images" / "operator" / "requirements.txt").read_text().splitlines()
-        if "==" in line and not line.startswith("#")
+        canonicalize_name(req.name): req.specifier
+        for req in map(
+            Requirement,
+            (
+                line
+                for line in (ROOT / "images/operator/requirements.txt").read_text().splitlines()
+                if line.strip() and not line.startswith("#")
+            ),
+        )
     }
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"
-    ]
-    for req in extras["operator"]:
-        name, version = req.split("==")
-        assert pins[name.lower()] == version, f"{name}: image {pins.get(name.lower())} != {version}"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for req in map(
+        Requirement, [*project["dependencies"], *project["optional-dependencies"]["operator"]]
+    ):
+        pin = pins.get(canonicalize_name(req.name))
+        assert pin is not None, f"{req.name} is not pinned in images/operator/requirements.txt"
+        (version,) = (s.version for s in pin if s.operator == "==")
+        assert version in req.specifier, f"{req.name}: image pins {version}, pyproject {req}"
 
 
 def _cli_accepts(argv: list[str]) -> None:

@@ -228,7 +228,7 @@ def decode_stack(tmp_path: Path) -> Iterator[Stack]:
 @pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
-    reason="vLLM is not installed (pip install -e '.[decode]'; see README)",
+    reason="vLLM is not installed (pip install -e '.[up]'; see README)",
 )
 def test_killed_decode_fails_its_requests_clearly_and_leaks_no_handoff(
     decode_stack: Stack, tmp_path: Path
