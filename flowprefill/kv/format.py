@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from flowprefill.contracts.names import DType
 from flowprefill.errors import KVFormatError, KVMismatchError, KVNotFoundError
 from flowprefill.kv.validate import MAX_NUM_TOKENS, bounded_int, fingerprint_fields
 
@@ -38,12 +39,11 @@ FORMAT_NAME = "flowprefill-kv"
 FORMAT_VERSION = 1
 LAYOUT_HND = "HND"  # [num_kv_heads, num_tokens, head_dim] per layer and per k / v
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DTYPES: dict[DType, torch.dtype] = {d: getattr(torch, d.value) for d in DType}
+"""The torch dtype of each :class:`~flowprefill.contracts.names.DType` (torch's own name
+for it): the one mapping from the contracts' dtype names to torch, for the KV format and
+for loading a model alike. Keyed by a ``StrEnum``, so the plain name looks it up too."""
+DTYPE_NAMES = {dtype: name.value for name, dtype in DTYPES.items()}
 
 KVLayers = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -331,8 +331,12 @@ class KVReader:
         self.close()
 
 
+_SAFETENSORS_DTYPE = {DType.FLOAT32: "F32", DType.BFLOAT16: "BF16", DType.FLOAT16: "F16"}
+
+
 def _st_dtype(name: str) -> str:
-    return {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[name]
+    """safetensors' code for a dtype name."""
+    return _SAFETENSORS_DTYPE[DType(name)]
 
 
 def _check_tensor_specs(

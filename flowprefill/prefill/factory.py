@@ -6,52 +6,25 @@ Kept apart from the engine so the scheduler and pool never import torch or trans
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 from rich.console import Console
 from transformers import PreTrainedModel
 
 from flowprefill.contracts import EngineConfig
+from flowprefill.kv.format import DTYPES
+from flowprefill.models import load_model
 from flowprefill.prefill.executor.preemption import TaskControl
-from flowprefill.prefill.executor.runner import PreemptibleExecutor, PrefillOutput, PromptLike
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.predictor.profile import ProfileReport, profile
-
-if TYPE_CHECKING:
-    from flowprefill.prefill.tp.backend import TPBackend
+from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 
 log = logging.getLogger(__name__)
 
 
-class ModelBackend(Protocol):
-    """What the engine, the profiler and the KV sink need of a prefill backend: a
-    :class:`PreemptibleExecutor` (one rank) or a
-    :class:`~flowprefill.prefill.tp.backend.TPBackend`."""
-
-    @property
-    def max_prompt_tokens(self) -> int: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def validate(self, prompts: Sequence[PromptLike]) -> list[torch.Tensor]: ...
-
-    def run(self, prompts: Sequence[PromptLike], control: TaskControl) -> list[PrefillOutput]: ...
-
-    def close(self) -> None: ...
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def load_engine_model(config: EngineConfig) -> PreTrainedModel:
-    from flowprefill.models import load_model
-
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     return load_model(config.model_path, dtype=DTYPES[config.dtype], device=config.device)
@@ -73,17 +46,16 @@ def build_executor(
     )
 
 
-def build_backend(config: EngineConfig) -> PreemptibleExecutor | TPBackend:
-    """The backend ``config`` asks for: one executor, or ``tp_size`` ranks (this process is
-    rank 0 and spawns the others; close the backend to stop them)."""
+def build_backend(config: EngineConfig) -> PreemptibleExecutor | TPPrefillBackend:
+    """The :class:`~flowprefill.prefill.engine.PrefillBackend` ``config`` asks for: one
+    executor, or ``tp_size`` ranks (this process is rank 0 and spawns the others; close the
+    backend to stop them)."""
     if config.tp_size > 1:
-        from flowprefill.prefill.tp.backend import TPBackend
-
-        return TPBackend(config)
+        return TPPrefillBackend(config)
     return build_executor(config)
 
 
-def model_config_of(backend: PreemptibleExecutor | TPBackend) -> Any:
+def model_config_of(backend: PreemptibleExecutor | TPPrefillBackend) -> Any:
     """The Hugging Face config of the model a backend runs (the KV fingerprint's source)."""
     if isinstance(backend, PreemptibleExecutor):
         return backend.model.config
@@ -91,7 +63,7 @@ def model_config_of(backend: PreemptibleExecutor | TPBackend) -> Any:
 
 
 def profile_executor(
-    executor: ModelBackend,
+    executor: PreemptibleExecutor | TPPrefillBackend,
     *,
     min_tokens: int = 32,
     max_tokens: int = 4096,
@@ -113,9 +85,8 @@ def profile_executor(
     hardware = str(executor.device)
     if executor.device.type == "cpu":
         hardware = f"cpu ({torch.get_num_threads()} threads)"
-    tp = getattr(getattr(executor, "config", None), "tp_size", 1)
-    if tp > 1:
-        hardware += f" × TP{tp}"
+    if isinstance(executor, TPPrefillBackend):
+        hardware += f" × TP{executor.config.tp_size}"
     return profile(
         run,
         min_tokens=min_tokens,
@@ -128,7 +99,9 @@ def profile_executor(
     )
 
 
-def quick_profile(executor: ModelBackend, console: Console, model_name: str = "") -> TTFTPredictor:
+def quick_profile(
+    executor: PreemptibleExecutor | TPPrefillBackend, console: Console, model_name: str = ""
+) -> TTFTPredictor:
     """A short sweep for demos (about ten seconds on the demo model)."""
     console.print("[dim]no TTFT profile given: profiling this machine briefly…[/dim]")
     report = profile_executor(

@@ -433,12 +433,12 @@ def tp_gateway(stack: dict[str, Any]) -> Iterator[str]:
     and the same vLLM decode."""
     from flowprefill.contracts import EngineConfig
     from flowprefill.prefill.factory import model_config_of
-    from flowprefill.prefill.tp.backend import TPBackend
+    from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 
     tmp = stack["tmp"]
     config = EngineConfig(model_path=stack["model_dir"], tp_size=2, num_threads=1)
     with ExitStack() as es:
-        backend = es.enter_context(TPBackend(config))
+        backend = es.enter_context(TPPrefillBackend(config))
         engine = PrefillEngine(backend, TTFTPredictor.linear(1e-4), batching="none")
         sink = directory_sink(stack["kv_dir"], model_config_of(backend))
         prefill_url = es.enter_context(serve_in_thread(create_app(engine, kv_sink=sink)))

@@ -134,14 +134,14 @@ def run(args: argparse.Namespace) -> int:
     from flowprefill.prefill.server.kv_http import create_kv_app
     from flowprefill.prefill.server.listeners import ClientLimits, listener, serve
     from flowprefill.prefill.server.prefill import create_app
-    from flowprefill.prefill.tp.backend import TPBackend
+    from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 
     config = resolve_config(args)
     kv_http = config.kv is not None and config.kv.transport is KVTransport.HTTP
     if kv_http and args.kv_port == args.port:
         raise SystemExit(f"--kv-port must differ from --port (both {args.port})")
     backend = build_backend(config)
-    tp = backend if isinstance(backend, TPBackend) else None
+    tp = backend if isinstance(backend, TPPrefillBackend) else None
     try:
         predictor = (
             TTFTPredictor.load(config.predictor_path)

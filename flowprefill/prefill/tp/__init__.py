@@ -3,5 +3,5 @@
 :mod:`~flowprefill.prefill.tp.shard` splits a checkpoint into rank shards,
 :mod:`~flowprefill.prefill.tp.agreement` decides where all ranks park,
 :mod:`~flowprefill.prefill.tp.ranks` spawns and commands the follower ranks,
-:mod:`~flowprefill.prefill.tp.backend` is the engine's view of the instance.
+:mod:`~flowprefill.prefill.tp.prefill_backend` is the engine's prefill backend on rank 0.
 """

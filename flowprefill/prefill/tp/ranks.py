@@ -53,6 +53,7 @@ import torch.distributed as dist
 from flowprefill.contracts import EngineConfig
 from flowprefill.contracts.names import RankCommand
 from flowprefill.errors import RankFailedError, TaskCancelledError
+from flowprefill.kv.format import DTYPES
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from flowprefill.prefill.executor.splitting import SplitRates
@@ -101,7 +102,6 @@ def rank_threads(config: EngineConfig) -> int:
 def init_rank(config: EngineConfig, rank: int, master_port: int) -> PreemptibleExecutor:
     """Join the instance's process group and build this rank's executor on its shard."""
     from flowprefill.models.loader import resolve_model_path
-    from flowprefill.prefill.factory import DTYPES
     from flowprefill.prefill.tp.shard import Shard, install_all_reduces, load_shard
 
     device = rank_device(config.device, rank)

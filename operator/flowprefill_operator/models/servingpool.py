@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from flowprefill.contracts.engine import MAX_TP_SIZE
+from flowprefill.contracts.names import DType
 
 from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscaling, ReplicasOwner
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
@@ -248,9 +249,7 @@ class EngineSettings(CRModel):
         "resources.gpusPerPod must be at least this).",
     )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="Device the engine runs on.")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        default="bfloat16", description="Weights and activations dtype."
-    )
+    dtype: DType = Field(default=DType.BFLOAT16, description="Weights and activations dtype.")
 
     @model_validator(mode="after")
     def _mirror_cel(self) -> EngineSettings:

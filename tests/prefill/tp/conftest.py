@@ -9,7 +9,7 @@ import pytest
 from flowprefill.contracts import EngineConfig
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from flowprefill.prefill.factory import build_executor
-from flowprefill.prefill.tp.backend import TPBackend
+from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 
 FAMILIES = ("llama", "qwen2", "qwen3-moe")
 
@@ -26,8 +26,8 @@ def family(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def tp2(family: str) -> Iterator[TPBackend]:
-    backend = TPBackend(tp_config(family))
+def tp2(family: str) -> Iterator[TPPrefillBackend]:
+    backend = TPPrefillBackend(tp_config(family))
     yield backend
     backend.close()
 

@@ -10,7 +10,7 @@ import torch
 
 from flowprefill.prefill.executor.preemption import TaskControl, activate
 from flowprefill.prefill.executor.runner import PrefillOutput
-from flowprefill.prefill.tp.backend import TPBackend
+from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 
 TIMEOUT_S = 60.0
 """Every wait in these tests is bounded: a hang fails the test instead of the suite."""
@@ -19,7 +19,9 @@ TIMEOUT_S = 60.0
 class Task:
     """One ``backend.run`` on its own thread with its own TaskControl, as the pool runs it."""
 
-    def __init__(self, backend: TPBackend, prompts: Sequence[Sequence[int]], name: str) -> None:
+    def __init__(
+        self, backend: TPPrefillBackend, prompts: Sequence[Sequence[int]], name: str
+    ) -> None:
         self.control = TaskControl(name=name)
         self.result: list[PrefillOutput] | None = None
         self.error: BaseException | None = None
@@ -73,7 +75,7 @@ def assert_same(a: Sequence[PrefillOutput], b: Sequence[PrefillOutput]) -> None:
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def ranks_agree(backend: TPBackend) -> dict[int, list[int]]:
+def ranks_agree(backend: TPPrefillBackend) -> dict[int, list[int]]:
     """Every follower parked each task at the same checkpoints as rank 0; returns them."""
     leader = dict(backend.parked_at)
     for rank, report in enumerate(backend.follower_reports(), start=1):

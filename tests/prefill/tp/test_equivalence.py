@@ -13,7 +13,7 @@ import torch
 
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor, PrefillOutput
-from flowprefill.prefill.tp.backend import TPBackend
+from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 from tests.prefill.tp.harness import Task, assert_same, prompts, ranks_agree
 
 ATOL = 1e-5
@@ -33,14 +33,14 @@ def assert_close_to_tp1(tp: list[PrefillOutput], ref: list[PrefillOutput]) -> No
             torch.testing.assert_close(v1, v2, atol=ATOL, rtol=0)
 
 
-def test_tp2_first_token_and_kv_equal_tp1(tp2: TPBackend, tp1: PreemptibleExecutor) -> None:
+def test_tp2_first_token_and_kv_equal_tp1(tp2: TPPrefillBackend, tp1: PreemptibleExecutor) -> None:
     batch = prompts([97, 31, 260], tp2.vocab_size, seed=1)
     out = tp2.run(batch, TaskControl("tp2"))
     assert_close_to_tp1(out, tp1.run(batch, TaskControl("tp1")))
 
 
 def test_nested_preemptions_are_bit_identical_and_ranks_park_together(
-    tp2: TPBackend, tp1: PreemptibleExecutor
+    tp2: TPPrefillBackend, tp1: PreemptibleExecutor
 ) -> None:
     """A is preempted by B, B by C; C finishes, B resumes and finishes, A resumes, is
     preempted again and finishes. Outputs equal the solo TP runs bit for bit, and every

@@ -13,7 +13,7 @@ from flowprefill.errors import RankFailedError
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.server.prefill import create_app
-from flowprefill.prefill.tp.backend import TPBackend
+from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 from tests.prefill.tp.conftest import tp_config
 from tests.prefill.tp.harness import Task, prompts
 
@@ -26,7 +26,7 @@ class _Flat:
         return 1e-4 * num_tokens
 
 
-def _wait_failed(backend: TPBackend) -> RankFailedError:
+def _wait_failed(backend: TPPrefillBackend) -> RankFailedError:
     deadline = time.monotonic() + BOUND_S
     while backend.group.failure is None:
         assert time.monotonic() < deadline, "the dead rank was not noticed"
@@ -35,7 +35,7 @@ def _wait_failed(backend: TPBackend) -> RankFailedError:
 
 
 def test_killing_a_rank_mid_prefill_fails_the_task_and_the_instance() -> None:
-    backend = TPBackend(tp_config("llama"))
+    backend = TPPrefillBackend(tp_config("llama"))
     try:
         running = Task(backend, prompts([4000], backend.vocab_size, seed=1), "long").start()
         parked = Task(backend, prompts([900], backend.vocab_size, seed=2), "parked")
@@ -59,7 +59,7 @@ def test_killing_a_rank_mid_prefill_fails_the_task_and_the_instance() -> None:
 
 
 def test_engine_answers_in_flight_requests_with_503_and_reports_not_ready() -> None:
-    backend = TPBackend(tp_config("llama"))
+    backend = TPPrefillBackend(tp_config("llama"))
     engine = PrefillEngine(backend, _Flat())
     backend.group.on_failure(engine.fail)
     engine.start()

@@ -13,7 +13,7 @@ import pytest
 
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.factory import build_executor
-from flowprefill.prefill.tp.backend import TPBackend
+from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 from tests.prefill.tp.conftest import tp_config
 from tests.prefill.tp.harness import Task, assert_same, prompts, ranks_agree
 from tests.prefill.tp.test_equivalence import assert_close_to_tp1
@@ -22,13 +22,13 @@ TIGHT_MS = 0.0005  # 0.5 µs: every operator of these prompts splits at any meas
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3-moe"])
-def split_tp2(request: pytest.FixtureRequest) -> Iterator[TPBackend]:
-    backend = TPBackend(tp_config(str(request.param), max_blocking_ms=TIGHT_MS))
+def split_tp2(request: pytest.FixtureRequest) -> Iterator[TPPrefillBackend]:
+    backend = TPPrefillBackend(tp_config(str(request.param), max_blocking_ms=TIGHT_MS))
     yield backend
     backend.close()
 
 
-def test_split_tp2_equals_unsplit_tp1_and_ranks_park_together(split_tp2: TPBackend) -> None:
+def test_split_tp2_equals_unsplit_tp1_and_ranks_park_together(split_tp2: TPPrefillBackend) -> None:
     family = split_tp2.config.model_path.removeprefix("tiny-")
     vocab = split_tp2.vocab_size
     pa, pb = prompts([260, 40], vocab, seed=7), prompts([150], vocab, seed=8)

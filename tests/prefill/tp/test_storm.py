@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from flowprefill.errors import TaskCancelledError
 from flowprefill.prefill.executor.preemption import TaskControl
-from flowprefill.prefill.tp.backend import TPBackend
+from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 from tests.prefill.tp.conftest import tp_config
 from tests.prefill.tp.harness import Task, assert_same, prompts, ranks_agree
 
@@ -28,8 +28,8 @@ Step = tuple[int, int, str]
 
 
 @pytest.fixture(scope="module")
-def llama_tp2() -> Iterator[TPBackend]:
-    backend = TPBackend(tp_config("llama"))
+def llama_tp2() -> Iterator[TPPrefillBackend]:
+    backend = TPPrefillBackend(tp_config("llama"))
     yield backend
     backend.close()
 
@@ -55,7 +55,7 @@ def _finish(task: Task) -> str:
     ),
     seed=st.integers(0, 2**16),
 )
-def test_preemption_storm(llama_tp2: TPBackend, steps: list[Step], seed: int) -> None:
+def test_preemption_storm(llama_tp2: TPPrefillBackend, steps: list[Step], seed: int) -> None:
     backend = llama_tp2
     before = {key for key, _ in backend.parked_at}
     tasks: list[tuple[Task, list[list[int]]]] = []

@@ -1,10 +1,11 @@
-"""The engine's view of a tensor-parallel instance: a prefill backend on rank 0.
+"""A tensor-parallel instance as the engine sees it: a prefill backend on rank 0.
 
-:class:`TPBackend` is what :class:`~flowprefill.prefill.engine.PrefillEngine` runs tasks on when
-``tp_size > 1``. ``run`` allocates the task a slot of the agreement table, sends the task
-to every follower, installs the leader's gate on the scheduler's
-:class:`~flowprefill.prefill.executor.preemption.TaskControl` and runs rank 0's share of the
-prefill; its outputs carry every KV head (gathered at the end of the task).
+:class:`TPPrefillBackend` is the :class:`~flowprefill.prefill.engine.PrefillBackend` that
+:class:`~flowprefill.prefill.engine.PrefillEngine` runs tasks on when ``tp_size > 1``.
+``run`` allocates the task a slot of the agreement table, sends the task to every
+follower, installs the leader's gate on the scheduler's
+:class:`~flowprefill.prefill.executor.preemption.TaskControl` and runs rank 0's share of
+the prefill; its outputs carry every KV head (gathered at the end of the task).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from flowprefill.prefill.tp.ranks import RankGroup
 PARK_HISTORY = 4096
 
 
-class TPBackend:
+class TPPrefillBackend:
     """Rank 0 of a ``config.tp_size``-rank instance; spawns the others on creation."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -103,7 +104,7 @@ class TPBackend:
         self.executor.close()
         self.group.close()
 
-    def __enter__(self) -> TPBackend:
+    def __enter__(self) -> TPPrefillBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:
