@@ -46,20 +46,27 @@ NVLink domain. Whether a model splits ``tp_size`` ways (attention and KV heads d
 by it) is checked when the engine loads the model (docs/executor.md)."""
 
 
+DEFAULT_BATCH_TOKEN_BUDGET = 4096
+"""Default bound on the prompt tokens of one batched prefill: the paper's setting, and the
+budget of the simulator's FlowPrefill system (docs/simulator.md)."""
+
+
 DEFAULT_MAX_BLOCKING_MS = 4.0
 """Default bound on a stretch between two preemption checkpoints on a GPU: an operator
 predicted to run longer is split at run time (attention in blocks of query rows, linears in
 tiles of token rows) so an urgent arrival waits at most about this long (docs/executor.md,
-"Bounded blocking"). The paper's operator-level blocking is mean 2.6 ms, max < 4.5 ms on
-A100; the simulator meets max <= 4.5 ms with this bound (docs/simulator.md)."""
+"Bounded blocking"). The paper reports operator-level blocking of mean 2.6 ms, max < 4.5 ms
+on A100; the simulated A100 stays under 4.5 ms with this bound
+(``python benchmarks/sim/bounded_blocking.py``, docs/simulator.md)."""
 
 DEFAULT_MAX_BLOCKING_MS_CPU = 100.0
-"""The CPU default. A CPU runs the same operator ~100x slower than a GPU, and its flash
-attention kernel loses efficiency on blocks of few query rows (over 8K keys, 1 thread:
-100-row blocks cost 1.36x, 256-row 1.06x, 512-row 1.04x one big block); at 100 ms the
-blocks of an 8K-token demo-llama prompt are ~400-800 rows. Blocking at 8K tokens falls
-from ~1.4 s unsplit to ~0.2-0.3 s (benchmarks/bounded_blocking.py, docs/executor.md; not
-yet measured on a quiet machine)."""
+"""The CPU default. A CPU runs the same operator about 100x slower than a GPU, and its flash
+attention kernel loses efficiency on blocks of few query rows, so a tighter bound costs
+prefill time. On one 8,192-token demo-llama prompt with 1 thread, max blocking falls from
+936 ms unsplit to 117 ms at this bound for +3.0 % prefill time, and to 205 ms at 200 ms for
++1.1 % (``python benchmarks/prefill/bounded_blocking.py --threads 1 --repeats 5 --bounds
+200 100 50`` on a quiet machine; docs/executor.md). It stays at 100 ms because the bound
+must sit well under the tightest SLO ``flowprefill up`` derives from the machine's profile."""
 
 OFF: Literal["off"] = "off"
 
@@ -131,7 +138,9 @@ class EngineConfig(BaseModel):
     batching: BatchingName = Field(
         Batching.SLO_AWARE, description=f"Batching policy: {', '.join(Batching.values())}."
     )
-    batch_token_budget: int = Field(4096, ge=1, description="Most tokens in one batched prefill.")
+    batch_token_budget: int = Field(
+        DEFAULT_BATCH_TOKEN_BUDGET, ge=1, description="Most tokens in one batched prefill."
+    )
     predictor_path: str | None = Field(
         None,
         description="TTFT profile JSON written by `flowprefill profile`; profiled at start "

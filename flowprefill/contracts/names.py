@@ -56,14 +56,12 @@ class Policy(Name):
 
 
 class Batching(Name):
-    """How the scheduler grows a batch around its leader (docs/simulator.md)."""
+    """How the engine's scheduler grows a batch around its leader (docs/simulator.md). The
+    simulator's ablations add batchings of their own (:mod:`flowprefill.lab.sim.batching`)."""
 
     SLO_AWARE = "slo-aware"
     NONE = "none"
     MEMBER_HEADROOM = "member-headroom"
-    MEMBER_AWARE = "member-aware"
-    HEADROOM = "headroom"
-    GREEDY = "greedy"
 
 
 class Granularity(Name):
@@ -105,9 +103,20 @@ class Kernels(Name):
 
 
 class DType(Name):
-    FLOAT32 = "float32"
+    """Element type of weights, activations and KV caches. The value is torch's name for
+    it, so the torch side derives its dtype from the name (:data:`flowprefill.kv.format.DTYPES`)."""
+
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE = {DType.BFLOAT16: 2, DType.FLOAT16: 2, DType.FLOAT32: 4}
 
 
 class Role(Name):
@@ -148,7 +157,6 @@ PolicyName = Annotated[Policy, BeforeValidator(Policy.parse)]
 BatchingName = Annotated[Batching, BeforeValidator(Batching.parse)]
 GranularityName = Annotated[Granularity, BeforeValidator(Granularity.parse)]
 RouterName = Annotated[Router, BeforeValidator(Router.parse)]
-AdmissionName = Annotated[Admission, BeforeValidator(Admission.parse)]
 KVTransportName = Annotated[KVTransport, BeforeValidator(KVTransport.parse)]
 KernelsName = Annotated[Kernels, BeforeValidator(Kernels.parse)]
 DTypeName = Annotated[DType, BeforeValidator(DType.parse)]

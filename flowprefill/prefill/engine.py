@@ -3,7 +3,9 @@
 :class:`PrefillEngine` is the object servers and demos hold. ``submit`` validates a prompt,
 stamps its arrival and deadline and returns a :class:`concurrent.futures.Future` that
 resolves to a :class:`PrefillResult` (first token + KV cache) when the prefill finishes,
-or raises the error that ended it. Everything else happens on the scheduler thread.
+or raises the error that ended it. Everything else happens on the scheduler thread, which
+publishes an :class:`EngineSnapshot` after each round: other threads (the HTTP server)
+read the engine's state from that snapshot, never from the scheduler.
 
 Deadline contract (:mod:`flowprefill.contracts.prefill_api`): a request carries its SLO
 class's ``ttft_slo_s`` and the ``elapsed_s`` it already spent since the gateway received
@@ -22,16 +24,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from flowprefill.contracts import slo as slo_contract
+from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET
+from flowprefill.contracts.names import Batching
+from flowprefill.contracts.prefill_api import PrefillLoad
 from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
 from flowprefill.prefill.executor.pool import ExecutionPool
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.metrics import EngineMetrics
 from flowprefill.prefill.request import Request, RequestState, Task
-from flowprefill.prefill.scheduler.batching import get_batching
+from flowprefill.prefill.scheduler.batching import BatchingPolicy, get_batching
 from flowprefill.prefill.scheduler.core import CommandKind, Scheduler
 from flowprefill.prefill.scheduler.loop import SchedulerLoop
 from flowprefill.prefill.scheduler.memory import ParkedBytesFn, ParkedMemory
@@ -44,7 +49,10 @@ metrics histogram counts every one); bounded so a long-running server does not g
 
 
 class PrefillBackend(Protocol):
-    """Runs a batch of prompts on the calling thread, reaching checkpoints on the way."""
+    """What the engine runs tasks on: a batch of prompts on the calling thread, reaching
+    checkpoints on the way. :func:`flowprefill.prefill.factory.build_backend` builds one (a
+    single executor, or a tensor-parallel instance's rank 0); it may also offer
+    ``estimate_parked_bytes`` (a bound on what one parked task holds)."""
 
     @property
     def max_prompt_tokens(self) -> int: ...
@@ -87,6 +95,57 @@ class PrefillResult:
         return slo_contract.met_slo(self.ttft_s, self.ttft_slo_s)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine as its scheduler thread left it after a round, for other threads.
+
+    Published by replacing ``PrefillEngine.snapshot`` with a new object (one reference
+    assignment, atomic under the GIL), never by changing one: a reader holds a consistent
+    view however far the scheduler has moved on since, and is at most one round behind.
+    """
+
+    running: bool
+    """The scheduler loop runs: started, and neither stopped nor crashed."""
+    backlog_tokens: int
+    """Prompt tokens still to prefill: waiting and parked requests, and what remains of the
+    running task."""
+    queue_delay_s: float
+    """The engine's predictor over ``backlog_tokens`` (0 when idle)."""
+    num_requests: int
+    """Requests the backlog consists of."""
+
+    @property
+    def load(self) -> PrefillLoad:
+        """The backlog as the prefill API reports it."""
+        return PrefillLoad(
+            backlog_tokens=self.backlog_tokens,
+            queue_delay_s=self.queue_delay_s,
+            num_requests=self.num_requests,
+        )
+
+
+def remaining_tokens(item: Request | Task) -> float:
+    """Prompt tokens still to prefill: a parked or running task's share not yet done."""
+    if isinstance(item, Request):
+        return float(item.num_tokens)
+    return item.num_tokens * max(0.0, 1.0 - item.progress)
+
+
+def take_snapshot(scheduler: Scheduler, *, running: bool) -> EngineSnapshot:
+    """Everything ``scheduler`` holds (waiting, parked, running) and the predicted time to
+    prefill it all. Call it on the thread that owns ``scheduler``."""
+    items: list[Request | Task] = [*scheduler.waiting.values(), *scheduler.preempted.values()]
+    if scheduler.running is not None:
+        items.append(scheduler.running)
+    tokens = round(sum(remaining_tokens(x) for x in items))
+    return EngineSnapshot(
+        running=running,
+        backlog_tokens=tokens,
+        queue_delay_s=scheduler.predict_s(tokens) if tokens else 0.0,
+        num_requests=sum(1 if isinstance(x, Request) else len(x.requests) for x in items),
+    )
+
+
 class PrefillEngine:
     def __init__(
         self,
@@ -94,8 +153,8 @@ class PrefillEngine:
         predictor: Predictor,
         *,
         policy: str = "s-edf",
-        batching: str = "slo-aware",
-        token_budget: int = 4096,
+        batching: str | BatchingPolicy = Batching.SLO_AWARE,
+        token_budget: int = DEFAULT_BATCH_TOKEN_BUDGET,
         clock: Callable[[], float] = time.monotonic,
         metrics: EngineMetrics | None = None,
         parked_memory_bytes: int | None = None,
@@ -104,14 +163,16 @@ class PrefillEngine:
         """``parked_memory_bytes`` bounds what preempted tasks hold (None: unbounded);
         a preemption that would exceed it is declined (:mod:`flowprefill.prefill.scheduler.memory`).
         ``parked_bytes`` bounds one parked task; default: the backend's
-        ``estimate_parked_bytes``, which a budget requires."""
+        ``estimate_parked_bytes``, which a budget requires. ``batching``: one of the
+        engine's names (:class:`~flowprefill.contracts.names.Batching`), or a policy object
+        (the simulator's ablations)."""
         self.backend = backend
         self.clock = clock
         self.metrics = metrics or EngineMetrics()
         self.scheduler = Scheduler(
             predict_s=predictor.predict_s,
             policy=get_policy(policy),
-            batching=get_batching(batching),
+            batching=get_batching(batching) if isinstance(batching, str) else batching,
             token_budget=token_budget,
             parked_memory=ParkedMemory(
                 parked_memory_bytes,
@@ -133,11 +194,16 @@ class PrefillEngine:
         self._futures: dict[str, Future[PrefillResult]] = {}
         self._accepting = False
         self._failure: BaseException | None = None
+        self.snapshot = take_snapshot(self.scheduler, running=False)
+        """The latest :class:`EngineSnapshot`; replaced, never changed."""
 
     # -------------------------------------------------------------- lifecycle
 
     def start(self) -> PrefillEngine:
         self.loop.start()
+        # Nothing is queued yet (submit waits for _accepting): the loop has no round to
+        # publish until the first event, and this snapshot cannot overwrite a newer one.
+        self.snapshot = take_snapshot(self.scheduler, running=True)
         with self._lock:
             self._accepting = True
         return self
@@ -271,7 +337,11 @@ class PrefillEngine:
     # ------------------------------------------- the scheduler thread's output
 
     def _on_round(self, out: RoundOutput) -> None:
-        """Resolve futures and record metrics for what one round did."""
+        """Publish the snapshot, resolve futures and record metrics for what one round did.
+
+        The snapshot goes first, so a caller woken by its future reads a backlog that no
+        longer holds its own request."""
+        self.snapshot = take_snapshot(self.scheduler, running=not out.stopped)
         for cancelled in out.cancelled:
             self._answer_cancel(cancelled)
         for completion in out.completed:
@@ -296,6 +366,7 @@ class PrefillEngine:
             m.preemptions_declined.inc()
 
     def _on_crash(self, error: BaseException) -> None:
+        self.snapshot = replace(self.snapshot, running=False)
         self.fail(RuntimeError(f"prefill scheduler failed: {type(error).__name__}: {error}"))
 
     def _pop_future(self, request_id: str) -> Future[PrefillResult] | None:

@@ -22,12 +22,12 @@ from flowprefill.lab.sim.cost import (
     CostModel,
     build_cost_model,
 )
+from flowprefill.lab.sim.driver import LIVE_PROGRESS
 from flowprefill.lab.sim.hardware import get_gpu, get_model
 from flowprefill.lab.sim.profile import ProfileCostModel
 from flowprefill.lab.sim.split import CPU_PIECE_OVERHEAD_S, GPU_PIECE_OVERHEAD_S, TilePlan
 from flowprefill.lab.sim.systems import DEFAULT_SYSTEMS, fit_predictor, get_system
 from flowprefill.prefill.predictor.model import TTFTPredictor
-from flowprefill.prefill.scheduler.round import LIVE_PROGRESS
 
 
 class CostSpec(BaseModel):

@@ -24,10 +24,52 @@ from flowprefill.lab.sim.gateway import Admission, AdmitAll, RoundRobin, Router
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.prefill.request import Request, RequestState, Task
 from flowprefill.prefill.scheduler.core import CommandKind, Scheduler
-from flowprefill.prefill.scheduler.round import LIVE_PROGRESS, Arrival, Completion, Event, run_round
+from flowprefill.prefill.scheduler.round import (
+    Arrival,
+    Completion,
+    Event,
+    Pool,
+    PreemptOutcome,
+    run_round,
+)
 
 _ARRIVAL, _COMPLETION = 0, 1
 _Event = tuple[float, int, int, Request | Task, int]
+
+LIVE_PROGRESS = True
+"""Whether a round refreshes the running task's progress from the pool, as the engine's
+round always does. Off models an earlier engine, which refreshed it only at preemption:
+the running task keeps the progress it had when it last started (0 for a fresh task),
+which overestimates its remaining time and can sink it as infeasible."""
+
+
+class _ProgressAtStart:
+    """``pool`` as a round of the earlier engine saw it: a running task's progress is what
+    it was when the task last started (the value the scheduler already holds)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    def submit(self, task: Task) -> None:
+        self._pool.submit(task)
+
+    def preempt(self, task: Task) -> PreemptOutcome:
+        return self._pool.preempt(task)
+
+    def resume(self, task: Task) -> None:
+        self._pool.resume(task)
+
+    def cancel(self, task: Task) -> None:
+        self._pool.cancel(task)
+
+    def release(self, task: Task) -> None:
+        self._pool.release(task)
+
+    def progress(self, task: Task) -> float:
+        return task.progress
+
+    def held_bytes(self, task: Task) -> int | None:
+        return self._pool.held_bytes(task)
 
 
 @dataclass(eq=False)
@@ -76,10 +118,9 @@ class Instance:
         pool.advance_to(now_s)
         out = run_round(
             self.scheduler,
-            pool,
+            pool if self.live_progress else _ProgressAtStart(pool),
             events,
             now_s,
-            live_progress=self.live_progress,
             admit=self.admission.admit,
         )
         for _ in out.shed:

@@ -22,17 +22,16 @@ from functools import lru_cache
 
 from flowprefill.bench.workload import Workload
 from flowprefill.errors import UnknownNameError
+from flowprefill.lab.sim.batching import get_batching
 from flowprefill.lab.sim.cost import CostModel
-from flowprefill.lab.sim.driver import Instance, SimResult, Simulation
+from flowprefill.lab.sim.driver import LIVE_PROGRESS, Instance, SimResult, Simulation
 from flowprefill.lab.sim.gateway import SIM_PRIORITIES, get_admission, get_router
 from flowprefill.lab.sim.plan import Granularity
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.prefill.predictor.model import TTFTPredictor
-from flowprefill.prefill.scheduler.batching import get_batching
 from flowprefill.prefill.scheduler.core import Scheduler
 from flowprefill.prefill.scheduler.memory import ParkedBytesFn, ParkedMemory
 from flowprefill.prefill.scheduler.policies import get_policy
-from flowprefill.prefill.scheduler.round import LIVE_PROGRESS
 
 OP, LAYER, NONE, INSTANT = (
     Granularity.OPERATOR,

@@ -1,8 +1,8 @@
-"""Batch formation policies, chosen by name.
+"""The engine's batch formation policies, chosen by name.
 
 Every policy grows the batch of the highest-priority request ``H`` (the leader) with
-candidates taken in priority order, within the token budget (inclusive: a 4096-token budget
-admits a batch of exactly 4096). They differ in which deadlines they check:
+candidates taken in priority order, within the token budget (inclusive: a budget of ``B``
+tokens admits a batch of exactly ``B``). They differ in which deadlines they check:
 
 * ``slo-aware`` — the paper's Algorithm 1: a candidate joins while the predicted latency of
   the grown batch still fits in ``H``'s remaining time. Only the leader's deadline counts.
@@ -21,11 +21,12 @@ admits a batch of exactly 4096). They differ in which deadlines they check:
     fills the leader's whole slack makes every urgent request arriving meanwhile wait for
     it; keeping half the slack free bounds that wait.
 
-* ``member-aware`` and ``headroom`` — each of those two changes alone (ablations; on the
-  simulator ``headroom`` gets most of the gain, ``member-aware`` alone almost none).
-* ``greedy`` — what DistServe / vLLM do: fill the token budget in queue order, stopping at
-  the first request that does not fit. No deadline check (the simulator's baselines).
-* ``none`` — never batch (the paper's "no batching" ablation).
+* ``none`` — never batch: one request per task (the FCFS baseline of the demo, and tests
+  that want one request per task).
+
+The simulator's ablations (each change of ``member-headroom`` alone, greedy batching of the
+baselines) are in :mod:`flowprefill.lab.sim.batching`; the ``fraction`` attribute of the
+policies here is what they vary.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ PredictFn = Callable[[int], float]
 
 
 class BatchingPolicy(Protocol):
-    name: Batching
+    name: str
 
     def form_batch(
         self,
@@ -62,7 +63,7 @@ class SLOAwareBatching:
     ``fraction`` is the share of that time the batch may take (1 for the paper's rule).
     """
 
-    name = Batching.SLO_AWARE
+    name: str = Batching.SLO_AWARE
     fraction = 1.0
 
     def form_batch(
@@ -79,22 +80,17 @@ class SLOAwareBatching:
         num_tokens = leader.num_tokens
         for r in candidates:
             grown = num_tokens + r.num_tokens
-            # Budget is inclusive: a 4096-token budget admits a batch of exactly 4096.
+            # The budget is inclusive: a batch of exactly token_budget tokens is admitted.
             if grown <= token_budget and allowed_s > predict_s(grown):
                 batch.append(r)
                 num_tokens = grown
         return batch
 
 
-class HeadroomBatching(SLOAwareBatching):
-    """``slo-aware`` whose batches keep half of the leader's remaining time free."""
-
-    name = Batching.HEADROOM
-    fraction = 0.5
-
-
 class NoBatching:
-    name = Batching.NONE
+    """One request per task."""
+
+    name: str = Batching.NONE
 
     def form_batch(
         self,
@@ -108,35 +104,12 @@ class NoBatching:
         return [leader]
 
 
-class GreedyBatching:
-    """Fill the budget in queue order; stop at the first request that does not fit."""
+class MemberHeadroomBatching:
+    """Every member's deadline counts, late leaders are batched with late requests, and a
+    batch takes at most ``fraction`` of the tightest member's remaining time."""
 
-    name = Batching.GREEDY
-
-    def form_batch(
-        self,
-        leader: Request,
-        candidates: Iterable[Request],
-        *,
-        now_s: float,
-        predict_s: PredictFn,
-        token_budget: int,
-    ) -> list[Request]:
-        batch = [leader]
-        num_tokens = leader.num_tokens
-        for r in candidates:
-            if num_tokens + r.num_tokens > token_budget:
-                break
-            batch.append(r)
-            num_tokens += r.num_tokens
-        return batch
-
-
-class MemberAwareBatching:
-    """Every member's deadline counts; late leaders are batched with late requests."""
-
-    name = Batching.MEMBER_AWARE
-    fraction = 1.0
+    name: str = Batching.MEMBER_HEADROOM
+    fraction = 0.5
     """Share of the tightest member's remaining time the batch may take."""
 
     def form_batch(
@@ -170,23 +143,10 @@ class MemberAwareBatching:
         return batch
 
 
-class MemberHeadroomBatching(MemberAwareBatching):
-    """``member-aware`` whose batches also keep half the tightest member's slack free."""
-
-    name = Batching.MEMBER_HEADROOM
-    fraction = 0.5
-
-
-BATCHING: dict[Batching, type[BatchingPolicy]] = {
-    b.name: b
-    for b in (
-        SLOAwareBatching,
-        NoBatching,
-        MemberHeadroomBatching,
-        MemberAwareBatching,
-        HeadroomBatching,
-        GreedyBatching,
-    )
+BATCHING: dict[str, type[BatchingPolicy]] = {
+    Batching.SLO_AWARE: SLOAwareBatching,
+    Batching.MEMBER_HEADROOM: MemberHeadroomBatching,
+    Batching.NONE: NoBatching,
 }
 
 

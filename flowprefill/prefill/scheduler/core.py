@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET
 from flowprefill.errors import InvalidRequestError, UnknownTaskError
 from flowprefill.prefill.request import Request, RequestState, Task
 from flowprefill.prefill.scheduler.batching import BatchingPolicy, SLOAwareBatching
@@ -72,7 +73,7 @@ class Scheduler:
         predict_s: Callable[[int], float],
         policy: PriorityPolicy | None = None,
         batching: BatchingPolicy | None = None,
-        token_budget: int = 4096,
+        token_budget: int = DEFAULT_BATCH_TOKEN_BUDGET,
         parked_memory: ParkedMemory | None = None,
     ) -> None:
         """``parked_memory`` bounds the bytes preempted tasks hold (None: unbounded)."""

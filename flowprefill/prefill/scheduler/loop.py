@@ -21,14 +21,7 @@ import time
 from collections.abc import Callable
 
 from flowprefill.prefill.scheduler.core import Scheduler
-from flowprefill.prefill.scheduler.round import (
-    LIVE_PROGRESS,
-    Event,
-    Pool,
-    RoundOutput,
-    Stop,
-    run_round,
-)
+from flowprefill.prefill.scheduler.round import Event, Pool, RoundOutput, Stop, run_round
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +41,10 @@ class SchedulerLoop:
         on_round: Callable[[RoundOutput], None],
         on_crash: Callable[[BaseException], None],
         clock: Callable[[], float] = time.monotonic,
-        live_progress: bool = LIVE_PROGRESS,
     ) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.clock = clock
-        self.live_progress = live_progress
         self._on_round = on_round
         self._on_crash = on_crash
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -90,13 +81,7 @@ class SchedulerLoop:
                         events.append(self._events.get_nowait())
                     except queue.Empty:
                         break
-                out = run_round(
-                    self.scheduler,
-                    self.pool,
-                    events,
-                    self.clock(),
-                    live_progress=self.live_progress,
-                )
+                out = run_round(self.scheduler, self.pool, events, self.clock())
                 self._on_round(out)
                 if out.stopped:
                     return

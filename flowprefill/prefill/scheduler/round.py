@@ -22,12 +22,6 @@ from typing import Any, Protocol
 from flowprefill.prefill.request import Request, RequestState, Task
 from flowprefill.prefill.scheduler.core import Command, CommandKind, Scheduler, SchedulerOutput
 
-LIVE_PROGRESS = True
-"""Refresh the running task's progress from the pool before each round (the engine's
-behaviour, and so the simulator's default). S-EDF then ranks the running task by what it
-really has left; off, it keeps the progress it had when it last started (0 for a fresh
-task), which overestimates its remaining time and can sink it as infeasible."""
-
 
 @dataclass(frozen=True, slots=True)
 class PreemptOutcome:
@@ -146,13 +140,14 @@ def run_round(
     events: Sequence[Event],
     now_s: float,
     *,
-    live_progress: bool = LIVE_PROGRESS,
     admit: Admit | None = None,
 ) -> RoundOutput:
     """Apply ``events`` in order at ``now_s``, run one scheduling round, carry it out.
 
     Commands are applied to ``pool`` in the order the scheduler issued them, so a
     ``preempt`` returns (the victim parked) before the following ``submit``/``resume``.
+    The running task's progress is refreshed from ``pool`` before scheduling, so S-EDF ranks
+    it by what it really has left.
     With a :class:`Stop` among ``events`` the other events are still applied (their
     completions must be answered) and no round is scheduled.
     """
@@ -182,7 +177,7 @@ def run_round(
     if stop:
         return out
     running = scheduler.running
-    if live_progress and running is not None:
+    if running is not None:
         running.progress = pool.progress(running)
     out.scheduled = scheduler.schedule(now_s)
     for cmd in out.scheduled.commands:

@@ -12,8 +12,9 @@ Endpoints:
   token exists, then a :class:`~flowprefill.contracts.prefill_api.KVHandoffEvent` once
   the hand-off is written (``null`` if writing failed: decode recomputes), then
   ``[DONE]`` — so the KV write is not on the request's time to first token.
-* ``GET /v1/load`` — the instance's backlog now
-  (:class:`~flowprefill.contracts.prefill_api.PrefillLoad`: tokens still to prefill and the
+* ``GET /v1/load`` — the instance's backlog as the engine published it after its latest
+  scheduling round (:class:`~flowprefill.prefill.engine.EngineSnapshot`; as a
+  :class:`~flowprefill.contracts.prefill_api.PrefillLoad`: tokens still to prefill and the
   engine's predicted time for them); every prefill answer carries the same in its ``load``
   field, which the gateway's admission reads (:mod:`flowprefill.gateway.admission`).
 * ``DELETE /v1/kv/{id}`` — the gateway releases a hand-off decode will not load (both
@@ -57,7 +58,6 @@ from flowprefill.kv import SharedDirTransport
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.server.kv_http import add_delete_route, add_read_refusal
 from flowprefill.prefill.server.kv_sink import KVSink
-from flowprefill.prefill.server.load import backlog
 from flowprefill.web.disconnect import ClientDisconnected, unless_disconnected
 from flowprefill.web.errors import error_response, install_error_handlers
 from flowprefill.web.probes import add_probe_routes
@@ -78,7 +78,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if not engine.loop.running:
+        if not engine.snapshot.running:
             engine.start()
         try:
             yield
@@ -126,7 +126,7 @@ def create_app(
             met_slo=res.met_slo,
             num_preemptions=res.num_preemptions,
             batch_size=res.batch_size,
-            load=backlog(engine.scheduler),
+            load=engine.snapshot.load,
         )
         write_kv = kv_sink is not None and body.hand_off_kv
 
@@ -163,7 +163,7 @@ def create_app(
 
     @app.get(LOAD_PATH, response_model=PrefillLoad)
     async def load() -> PrefillLoad:
-        return backlog(engine.scheduler)
+        return engine.snapshot.load
 
     if kv_store is not None:
         add_delete_route(app, kv_store)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from flowprefill.lab.sim.batching import GreedyBatching
 from flowprefill.lab.sim.driver import Instance, Simulation
 from flowprefill.lab.sim.plan import Granularity
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.prefill.request import RequestState
-from flowprefill.prefill.scheduler.batching import GreedyBatching, NoBatching
+from flowprefill.prefill.scheduler.batching import NoBatching
 from flowprefill.prefill.scheduler.core import Scheduler
 from flowprefill.prefill.scheduler.policies import get_policy
 

@@ -197,7 +197,7 @@ def run_engine(requests: list[Request]) -> Trace:
         batching=spec.batching,
         token_budget=spec.token_budget,
     )
-    scheduler, live_progress = engine.scheduler, engine.loop.live_progress
+    scheduler = engine.scheduler
     trace = recorder(scheduler)
     device = VirtualDevice()
     pool: ExecutionPool[list[None]] = ExecutionPool(device.run, device.on_done)
@@ -220,7 +220,7 @@ def run_engine(requests: list[Request]) -> Trace:
             events += [c for t, c in device.completions if t <= now_s]
             device.completions = [(t, c) for t, c in device.completions if t > now_s]
             device.now_s = now_s
-        out = run_round(scheduler, pool, events, now_s, live_progress=live_progress)
+        out = run_round(scheduler, pool, events, now_s)
         for cmd in out.commands:
             if cmd.kind is not CommandKind.PREEMPT:
                 device.start(cmd.task)

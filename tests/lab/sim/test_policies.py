@@ -1,13 +1,14 @@
 """The simulator's own admission and routing policies, and the batching names it uses.
 
-The batching policies themselves are the engine's (tests/prefill/scheduler/test_batching.py)."""
+The batching policies themselves are the engine's (tests/prefill/scheduler/test_batching.py)
+and the ablations' (test_batching.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from flowprefill.contracts.names import Batching
 from flowprefill.errors import UnknownNameError
+from flowprefill.lab.sim.batching import SIM_BATCHING, get_batching
 from flowprefill.lab.sim.driver import Instance, Simulation
 from flowprefill.lab.sim.gateway import (
     ShedInfeasible,
@@ -20,7 +21,7 @@ from flowprefill.lab.sim.plan import Granularity
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.lab.sim.systems import SYSTEMS, build_instance, get_system
 from flowprefill.prefill.request import RequestState
-from flowprefill.prefill.scheduler.batching import BATCHING, MemberHeadroomBatching, get_batching
+from flowprefill.prefill.scheduler.batching import MemberHeadroomBatching
 from flowprefill.prefill.scheduler.core import Scheduler
 
 from .conftest import PREDICTOR, ToyCost, req
@@ -28,10 +29,10 @@ from .conftest import PREDICTOR, ToyCost, req
 P = PREDICTOR.predict_s  # 1 ms per token
 
 
-def test_every_system_batches_with_the_engines_policy_of_that_name(toy: ToyCost) -> None:
+def test_every_system_batches_with_the_policy_of_that_name(toy: ToyCost) -> None:
     for spec in SYSTEMS.values():
         inst = build_instance(spec, toy, P)
-        assert type(inst.scheduler.batching) is BATCHING[Batching.parse(spec.batching)]
+        assert type(inst.scheduler.batching) is SIM_BATCHING[spec.batching]
     assert type(build_instance(get_system("fp-plus"), toy, P).scheduler.batching) is (
         MemberHeadroomBatching
     )

@@ -78,14 +78,13 @@ def test_completion_is_applied_and_released_before_the_round() -> None:
     assert pool.calls[-1] == ("release", ["A"])
 
 
-def test_live_progress_refreshes_the_running_task() -> None:
-    for live, expected in ((True, 0.5), (False, 0.0)):
-        s, pool = scheduler(), FakePool()
-        run_round(s, pool, [Arrival(req("A", 1000, 0.0, 10.0))], 0.0)
-        assert s.running is not None
-        pool.progress_of[s.running.task_id] = 0.5
-        run_round(s, pool, [Arrival(req("B", 10, 0.5, 60.0))], 0.5, live_progress=live)
-        assert s.running.progress == expected
+def test_a_round_refreshes_the_running_tasks_progress_from_the_pool() -> None:
+    s, pool = scheduler(), FakePool()
+    run_round(s, pool, [Arrival(req("A", 1000, 0.0, 10.0))], 0.0)
+    assert s.running is not None and s.running.progress == 0.0
+    pool.progress_of[s.running.task_id] = 0.5
+    run_round(s, pool, [Arrival(req("B", 10, 0.5, 60.0))], 0.5)
+    assert s.running.progress == 0.5
 
 
 def test_cancel_names_the_request_and_stops_an_emptied_task() -> None:

@@ -1,36 +1,32 @@
-"""What a prefill instance reports as its backlog (flowprefill.prefill.server.load)."""
+"""``GET /v1/load`` answers with the backlog the engine published, never the scheduler's."""
 
 from __future__ import annotations
 
-import pytest
+import httpx
 
-from flowprefill.contracts.prefill_api import PrefillLoad
-from flowprefill.prefill.request import Request, Task
-from flowprefill.prefill.scheduler.batching import get_batching
-from flowprefill.prefill.scheduler.core import Scheduler
-from flowprefill.prefill.server.load import backlog
-
-
-def P(n: int) -> float:
-    return 0.01 + n / 1000.0
+from flowprefill.prefill.engine import EngineSnapshot, PrefillEngine
+from flowprefill.prefill.server.prefill import create_app
+from tests.helpers import serve_in_thread
+from tests.prefill.test_engine import PREDICTOR, SteppedBackend
 
 
-def req(rid: str, tokens: int) -> Request:
-    return Request.create(rid, arrival_s=0.0, ttft_slo_s=1.0, num_tokens=tokens)
-
-
-def test_idle_engine_reports_nothing_queued() -> None:
-    sched = Scheduler(predict_s=P, batching=get_batching("none"))
-    assert backlog(sched) == PrefillLoad(backlog_tokens=0, queue_delay_s=0.0, num_requests=0)
-
-
-def test_backlog_counts_waiting_parked_and_the_rest_of_the_running_task() -> None:
-    sched = Scheduler(predict_s=P, batching=get_batching("none"))
-    sched.add(req("w", 300))
-    parked = Task([req("p1", 200), req("p2", 200)], progress=0.5)  # 200 tokens left
-    running = Task([req("r", 1000)], progress=0.9)  # 100 left
-    sched.preempted[parked.task_id] = parked
-    sched.running = running
-    load = backlog(sched)
-    assert (load.backlog_tokens, load.num_requests) == (600, 4)
-    assert load.queue_delay_s == pytest.approx(P(600))  # the engine's own predictor
+def test_load_is_the_engines_published_snapshot() -> None:
+    engine = PrefillEngine(SteppedBackend(), PREDICTOR)
+    with serve_in_thread(create_app(engine)) as url:
+        assert engine.snapshot.running  # the server started the engine
+        assert httpx.get(f"{url}/v1/load").json() == {
+            "backlog_tokens": 0,
+            "queue_delay_s": 0.0,
+            "num_requests": 0,
+        }
+        # A snapshot the scheduler's own queues contradict (they are empty): the server
+        # answers with the snapshot, so it never reads the scheduler from its thread.
+        engine.snapshot = EngineSnapshot(
+            running=True, backlog_tokens=1234, queue_delay_s=0.5, num_requests=7
+        )
+        assert httpx.get(f"{url}/v1/load").json() == {
+            "backlog_tokens": 1234,
+            "queue_delay_s": 0.5,
+            "num_requests": 7,
+        }
+    assert not engine.snapshot.running  # closed with the server
