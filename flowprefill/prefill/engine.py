@@ -124,25 +124,23 @@ class EngineSnapshot:
         )
 
 
-def remaining_tokens(item: Request | Task) -> float:
-    """Prompt tokens still to prefill: a parked or running task's share not yet done."""
-    if isinstance(item, Request):
-        return float(item.num_tokens)
-    return item.num_tokens * max(0.0, 1.0 - item.progress)
-
-
 def take_snapshot(scheduler: Scheduler, *, running: bool) -> EngineSnapshot:
-    """Everything ``scheduler`` holds (waiting, parked, running) and the predicted time to
-    prefill it all. Call it on the thread that owns ``scheduler``."""
-    items: list[Request | Task] = [*scheduler.waiting.values(), *scheduler.preempted.values()]
+    """Everything ``scheduler`` holds (waiting requests, parked tasks and what remains of the
+    running task, by its progress) and the predicted time to prefill it all. Call it on the
+    thread that owns ``scheduler``."""
+    waiting = scheduler.waiting
+    tasks = list(scheduler.preempted.values())
     if scheduler.running is not None:
-        items.append(scheduler.running)
-    tokens = round(sum(remaining_tokens(x) for x in items))
+        tasks.append(scheduler.running)
+    tokens = round(
+        sum(r.num_tokens for r in waiting.values())
+        + sum(t.num_tokens * max(0.0, 1.0 - t.progress) for t in tasks)
+    )
     return EngineSnapshot(
         running=running,
         backlog_tokens=tokens,
         queue_delay_s=scheduler.predict_s(tokens) if tokens else 0.0,
-        num_requests=sum(1 if isinstance(x, Request) else len(x.requests) for x in items),
+        num_requests=len(waiting) + sum(len(t.requests) for t in tasks),
     )
 
 
