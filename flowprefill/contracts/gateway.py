@@ -29,8 +29,8 @@ class Endpoint(_Contract):
 
 class HealthProbeSettings(_Contract):
     """How the gateway probes its instances' liveness to find stalled ones
-    (:mod:`flowprefill.gateway.health`): detected within ``failures × (interval_s +
-    timeout_s)``."""
+    (:class:`flowprefill.gateway.routing.HealthProber`): detected within
+    ``failures × (interval_s + timeout_s)``."""
 
     interval_s: float = Field(default=1.0, gt=0, le=60, description="Time between probes.")
     timeout_s: float = Field(

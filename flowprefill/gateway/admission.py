@@ -1,4 +1,4 @@
-"""Admission at arrival: refuse early what cannot be served in time (issue 12 §2).
+"""Admission at arrival: refuse early what cannot be served in time.
 
 One pure decision, called by the gateway (:meth:`flowprefill.gateway.routing.InstancePool.admit`)
 and by the simulator's ``shed-*`` admission policies (:mod:`flowprefill.lab.sim.gateway`), so
@@ -12,7 +12,8 @@ the policy measured in simulation is the one that serves:
 
 Callers supply, per instance, the predicted time the request's first token would be ready
 there (:func:`predicted_finish_s`: the work due before it plus its own, through the
-engine's TTFT predictor). The decision is made once, before the request is sent: once an
+engine's TTFT predictor). The decision is made once, before the request is sent, and handed
+to the prefill stage as data (:class:`flowprefill.gateway.routing.Admitted`): once an
 instance has it, it is served however late (the engine never drops a request).
 """
 

@@ -2,7 +2,7 @@
 
 Per request (``POST /v1/completions``, ``POST /v1/chat/completions``)::
 
-    admit (classify, tokenize; stamps arrival_s)     flowprefill.gateway.admit
+    intake (classify, tokenize; stamps arrival_s)    flowprefill.gateway.classify
       -> prefill: the first token                    flowprefill.gateway.prefill
       -> decode: the rest, from vLLM                 flowprefill.gateway.decode
       -> relay: one OpenAI body or an SSE stream     flowprefill.gateway.relay
@@ -16,7 +16,7 @@ request); one gone mid-stream closes its decode stream. Every answer carries the
 used (``x-flowprefill-slo-class``), and a fallback note when the request asked for a
 class, priority or TTFT target it did not get (unknown, or not its to claim). Also
 ``GET /v1/models``, vLLM's ``POST /tokenize`` and ``/detokenize``
-(:mod:`flowprefill.gateway.tokenize_api`), ``/health``, ``/ready`` (503 with no healthy
+(:mod:`flowprefill.gateway.tokens`), ``/health``, ``/ready`` (503 with no healthy
 prefill instance) and ``/metrics``; the SLO table is re-read when its file changes.
 """
 
@@ -24,25 +24,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from flowprefill.contracts.deployment import SLO_CLASS_USED_HEADER, SLO_FALLBACK_HEADER
-from flowprefill.gateway import openai_wire as wire
-from flowprefill.gateway import tokenize_api
-from flowprefill.gateway.admit import admit
-from flowprefill.gateway.classify import Classification, fallback_note
+from flowprefill.contracts.gateway import HealthProbeSettings
+from flowprefill.gateway import tokens
+from flowprefill.gateway.classify import Classification, Job, SLOTableFile, fallback_note, intake
 from flowprefill.gateway.decode import DecodeStage
 from flowprefill.gateway.errors import ClientError, GatewayError, as_gateway_error
-from flowprefill.gateway.health import HealthProber
-from flowprefill.gateway.job import Job
-from flowprefill.gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from flowprefill.gateway.metrics import GatewayMetrics, export_slo_targets
+from flowprefill.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from flowprefill.gateway.prefill import PrefillStage
-from flowprefill.gateway.relay import Relay
-from flowprefill.gateway.state import GatewayState
+from flowprefill.gateway.relay import Relay, models_body
+from flowprefill.gateway.routing import HealthProber, InstancePool
+from flowprefill.gateway.tokens import Tokenizer
+from flowprefill.gateway.upstream import DecodeClient, PrefillClient
 from flowprefill.web.disconnect import ClientDisconnected, unless_disconnected
 from flowprefill.web.errors import error_response, install_error_handlers
 from flowprefill.web.probes import add_probe_routes
@@ -50,6 +52,30 @@ from flowprefill.web.sse import MEDIA_TYPE
 
 FALLBACK_HEADER = SLO_FALLBACK_HEADER
 CLASS_HEADER = SLO_CLASS_USED_HEADER
+
+
+@dataclass
+class GatewayState:
+    """What a gateway serves with: model, tokenizer, SLO table, instance pools, upstream
+    clients, metrics, clock. Built by :func:`flowprefill.gateway.cli.build_state`."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    slo_file: SLOTableFile
+    prefill_pool: InstancePool
+    decode_pool: InstancePool | None
+    prefill_client: PrefillClient
+    decode_client: DecodeClient | None
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    clock: Callable[[], float] = time.monotonic
+    """Monotonic seconds: arrival, deadlines, TTFT."""
+    table_refresh_s: float = 1.0
+    """How often the SLO table file is checked for changes."""
+    health_probe: HealthProbeSettings | None = field(default_factory=HealthProbeSettings)
+    """Liveness probing of the instances (flowprefill.gateway.routing.HealthProber); None: off."""
+
+    def __post_init__(self) -> None:
+        export_slo_targets(self.metrics.registry, lambda: self.slo_file.table)
 
 
 def class_headers(classification: Classification) -> dict[str, str]:
@@ -105,7 +131,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
     async def serve(
         request: Request, body: CompletionRequest | ChatCompletionRequest
     ) -> JSONResponse | StreamingResponse:
-        job = admit(
+        job = intake(
             body,
             arrival_s=state.clock(),
             headers=request.headers,
@@ -147,19 +173,15 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
-        return tokenize_api.tokenize(
-            tokenize_api.parse_tokenize(body), state.tokenizer, state.model_name
-        )
+        return tokens.tokenize(tokens.parse_tokenize(body), state.tokenizer, state.model_name)
 
     @app.post("/detokenize")
     async def detokenize(body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
-        return tokenize_api.detokenize(
-            tokenize_api.parse_detokenize(body), state.tokenizer, state.model_name
-        )
+        return tokens.detokenize(tokens.parse_detokenize(body), state.tokenizer, state.model_name)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return wire.models_body(state.model_name)
+        return models_body(state.model_name)
 
     add_probe_routes(
         app,

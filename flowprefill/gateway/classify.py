@@ -1,10 +1,30 @@
-"""Which SLO class a request belongs to, and its TTFT target, from the SLO table the
-operator maintains and what the request asks (:mod:`flowprefill.gateway.slo_request`).
+"""Stage 1 of the pipeline: take in an OpenAI request as a :class:`Job`: its SLO class and
+TTFT target, its token ids, its deadline (:func:`intake`).
 
-The class:
+Checks the model name (404) and the fields sent (a 400 naming one the gateway refuses:
+:mod:`flowprefill.gateway.openai_api`), classifies into an SLO class and TTFT target from
+what the request asks, tokenizes the prompt or chat (:func:`flowprefill.gateway.tokens.
+prompt_token_ids`), and refuses a prompt plus output budget over the context length (400
+naming ``max_tokens`` or ``prompt``). Pure but for the tokenizer: no HTTP, no upstream.
 
-1. the first class the request names (``x-slo-class``, ``x-gateway-inference-objective``,
-   ``slo_class``) that it may claim;
+What a request asks of its SLO (:func:`slo_request`), read from the conventions its client
+may speak:
+
+- ``x-slo-class`` header (ours), ``x-gateway-inference-objective`` header (the Gateway
+  API Inference Extension's objective name), ``slo_class`` body field (ours): a class by
+  name, in this order;
+- ``x-dynamo-request-priority`` header (NVIDIA Dynamo: higher = more urgent) and vLLM's
+  ``priority`` body field (lower = handled earlier, so negated onto our scale): the class
+  of nearest priority;
+- ``x-slo-ttft-ms`` header (llm-d / Inference Extension): the request's own TTFT target.
+
+Both priority conventions default to 0, so 0 asks for nothing; a value that is not a
+number is refused (400 naming the header or field).
+
+The class it gets (:func:`classify`), from the SLO table the operator maintains
+(:class:`SLOTableFile`, re-read when it changes):
+
+1. the first class the request names that it may claim;
 2. else, when it sent a priority, the class of nearest priority among those it may claim
    (ties: the less urgent);
 3. else the first class (table order: most urgent first) whose non-empty rules all match —
@@ -21,22 +41,116 @@ a tighter one only when the class's claim rule admits the client and sets a floo
 (``min_ttft_slo_ms``; a target below it gets the floor). Every refusal falls back without
 failing the request and is reported (:class:`Refusal`, the
 ``x-flowprefill-slo-class-fallback`` answer header and a counter).
+
+The deadline has one name and one unit from here to the scheduler: the request's
+``ttft_slo_s`` (its class's, or its own target where the classifier honoured one) and
+``arrival_s``, when the gateway received the request, so
+``deadline_s = arrival_s + ttft_slo_s``. A prefill instance is sent ``ttft_slo_s`` and
+``elapsed_s`` (:mod:`flowprefill.contracts.prefill_api`) and rebuilds the same deadline
+on its clock; every process judges ``met`` as ``ttft_s <= ttft_slo_s`` from that arrival.
+The one derived quantity, the ``x-slo-ttft-ms`` hint for upstreams (the budget left when a
+call is sent), is computed here (:meth:`Job.upstream_hints`) and nowhere else.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
+import os
+import re
+import time
+import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
+from pydantic import ValidationError
+
 from flowprefill.contracts import SLOTable, SLOTableClass
+from flowprefill.contracts import slo as slo_contract
+from flowprefill.contracts.deployment import (
+    SLO_CLASS_HEADER,
+    SLO_OBJECTIVE_HEADER,
+    SLO_PRIORITY_HEADER,
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
+)
 from flowprefill.contracts.slo import Fallback
 from flowprefill.errors import InvalidRequestError
-from flowprefill.gateway.slo_request import SLORequest
-from flowprefill.gateway.slo_table_file import SLOTableFile
+from flowprefill.gateway.errors import ClientError
+from flowprefill.gateway.openai_api import ChatCompletionRequest, CompletionRequest, check_model
+from flowprefill.gateway.tokens import Tokenizer, prompt_token_ids
 
-__all__ = ["Classification", "Refusal", "SLOTableFile", "api_key_hash", "classify"]
+log = logging.getLogger(__name__)
+
+NameSource = Literal["header", "objective", "field"]
+MAX_TTFT_SLO_MS = 600_000
+"""The longest TTFT target a request may carry: the SLOClass CRD's bound (10 min)."""
+_INTEGER = re.compile(r"^[+-]?[0-9]{1,18}$")
+
+
+@dataclass(frozen=True, slots=True)
+class SLORequest:
+    names: tuple[tuple[NameSource, str], ...] = ()
+    """Class names asked for, in precedence order."""
+    priority: int | None = None
+    """On the SLO classes' scale (higher = more urgent); None: none asked."""
+    priority_sent: str = ""
+    """The priority as the client wrote it (for the fallback header)."""
+    ttft_slo_ms: float | None = None
+    """The request's own TTFT target."""
+
+
+def _header_int(headers: Mapping[str, str], name: str) -> int | None:
+    raw = headers.get(name)
+    if raw is None or not raw.strip():
+        return None
+    if not _INTEGER.match(raw.strip()):
+        raise ClientError(400, f"header {name} must be an integer, got {raw[:40]!r}", param=name)
+    return int(raw)
+
+
+def _ttft_ms(headers: Mapping[str, str]) -> float | None:
+    raw = headers.get(SLO_TTFT_HEADER)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= MAX_TTFT_SLO_MS):
+        raise ClientError(
+            400,
+            f"header {SLO_TTFT_HEADER} must be a number of milliseconds in "
+            f"(0, {MAX_TTFT_SLO_MS}], got {raw[:40]!r}",
+            param=SLO_TTFT_HEADER,
+        )
+    return value
+
+
+def slo_request(
+    headers: Mapping[str, str], *, body_class: str | None, body_priority: int | None
+) -> SLORequest:
+    """``headers`` must be case-insensitive (Starlette's are) or lower-cased."""
+    names: list[tuple[NameSource, str]] = []
+    for source, name in (
+        ("header", headers.get(SLO_CLASS_HEADER)),
+        ("objective", headers.get(SLO_OBJECTIVE_HEADER)),
+        ("field", body_class),
+    ):
+        if name:
+            names.append((source, name))  # type: ignore[arg-type]
+    priority: int | None = None
+    sent = ""
+    dynamo = _header_int(headers, SLO_PRIORITY_HEADER)
+    if dynamo:  # a header wins over the body, as Dynamo's own headers do
+        priority, sent = dynamo, f"{SLO_PRIORITY_HEADER}: {dynamo}"
+    elif body_priority:
+        priority, sent = -body_priority, f"priority {body_priority}"
+    return SLORequest(tuple(names), priority, sent, _ttft_ms(headers))
+
 
 Source = Literal["header", "objective", "field", "priority", "rule", "default"]
 
@@ -191,3 +305,137 @@ def fallback_note(classification: Classification) -> str | None:
     asked = ", ".join(f"{r.reason} {r.requested[:64]!a}" for r in classification.refusals)
     c = classification
     return f"{asked}; used {c.slo_class.name} ({c.ttft_slo_ms:g} ms)"
+
+
+class SLOTableFile:
+    """The SLO table file, re-read when it changes (ConfigMap updates swap a symlink).
+
+    :meth:`refresh` is cheap (one ``stat``) and is called by the gateway's background
+    watcher; a file that fails to parse keeps the last good table and logs why.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._stamp: tuple[int, int, int] | None = None
+        self.table = self._read()
+        self.num_reloads = 0
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = self.path.stat()  # follows symlinks: a swapped ConfigMap target changes inode
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _read(self) -> SLOTable:
+        stamp = self._stat()
+        try:
+            table = SLOTable.model_validate_json(self.path.read_bytes())
+        except ValidationError as e:
+            raise InvalidRequestError(f"SLO table {self.path} is invalid: {e}") from None
+        self._stamp = stamp
+        return table
+
+    def refresh(self) -> bool:
+        """Reload if the file changed; True when a new table was loaded."""
+        try:
+            stamp = self._stat()
+            if stamp == self._stamp:
+                return False
+            self._stamp = stamp  # a bad file is reported once, not at every refresh
+            self.table = self._read()
+        except (OSError, InvalidRequestError) as e:
+            log.warning("keeping the previous SLO table: %s", e)
+            return False
+        self.num_reloads += 1
+        log.info("reloaded SLO table %s (%d classes)", self.path, len(self.table.classes))
+        return True
+
+
+Kind = Literal["text_completion", "chat.completion"]
+"""The OpenAI object a request answers with (also the relay's wire format)."""
+
+
+@dataclass(eq=False)
+class Job:
+    """A request the gateway admitted: its class, tokens and deadline. The decode stage
+    sets ``num_completion_tokens`` from decode's usage report."""
+
+    request_id: str
+    kind: Kind
+    body: CompletionRequest | ChatCompletionRequest
+    token_ids: list[int]
+    classification: Classification
+    arrival_s: float
+    """When the gateway received the request (the gateway's monotonic clock)."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    """Unix time, for the OpenAI ``created`` field."""
+    num_completion_tokens: int = 1
+    """The first token; decode's usage adds the rest."""
+
+    @property
+    def slo(self) -> SLOTableClass:
+        return self.classification.slo_class
+
+    @property
+    def ttft_slo_s(self) -> float:
+        """The request's TTFT target: its class's, or its own where honoured."""
+        return self.classification.ttft_slo_s
+
+    @property
+    def deadline_s(self) -> float:
+        return slo_contract.deadline_s(self.arrival_s, self.ttft_slo_s)
+
+    def elapsed_s(self, now_s: float) -> float:
+        return max(0.0, now_s - self.arrival_s)
+
+    def met_slo(self, ttft_s: float) -> bool:
+        return slo_contract.met_slo(ttft_s, self.ttft_slo_s)
+
+    def upstream_hints(self, now_s: float) -> dict[str, str]:
+        """llm-d / Dynamo-style headers for upstreams that understand them: the class, the
+        TTFT budget left at ``now_s`` (ms, at least 1), the priority, the TPOT target."""
+        c = self.slo
+        headers = {
+            SLO_OBJECTIVE_HEADER: c.name,
+            SLO_TTFT_HEADER: str(max(1, round((self.deadline_s - now_s) * 1e3))),
+            SLO_PRIORITY_HEADER: str(c.priority),
+        }
+        if c.tpot_slo_ms is not None:
+            headers[SLO_TPOT_HEADER] = str(c.tpot_slo_ms)
+        return headers
+
+
+def intake(
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    arrival_s: float,
+    headers: Mapping[str, str],
+    path: str,
+    model_name: str,
+    table: SLOTable,
+    tokenizer: Tokenizer,
+) -> Job:
+    """``headers`` must be case-insensitive (Starlette's are) or lower-cased. Raises
+    :class:`~flowprefill.gateway.errors.ClientError`, or
+    :class:`~flowprefill.errors.InvalidRequestError` when no class fits."""
+    check_model(body.model, model_name)
+    for param, message in body.refusals():
+        raise ClientError(400, message, param=param)
+    asked = slo_request(headers, body_class=body.slo_class, body_priority=body.priority)
+    classification = classify(table, asked, headers=headers, model=body.model, path=path)
+    token_ids = prompt_token_ids(body, tokenizer)
+    limit = tokenizer.max_model_len
+    if len(token_ids) + body.output_budget > limit:
+        raise ClientError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the prompt has "
+            f"{len(token_ids)} and max_tokens asks for {body.output_budget} more",
+            param="max_tokens" if len(token_ids) < limit else "prompt",
+        )
+    chat = isinstance(body, ChatCompletionRequest)
+    return Job(
+        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        kind="chat.completion" if chat else "text_completion",
+        body=body,
+        token_ids=token_ids,
+        classification=classification,
+        arrival_s=arrival_s,
+    )

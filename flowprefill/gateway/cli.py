@@ -11,7 +11,7 @@ from flowprefill.contracts.deployment import GATEWAY_PORT
 from flowprefill.web.limits import add_client_limit_arguments
 
 if TYPE_CHECKING:
-    from flowprefill.gateway.state import GatewayState
+    from flowprefill.gateway.app import GatewayState
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,28 +21,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=GATEWAY_PORT)
     add_client_limit_arguments(p, max_body_mb=32.0)
     p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds")
-    p.add_argument(
-        "--upstream-http",
-        choices=("auto", "aiohttp", "httpx"),
-        default="auto",
-        help="HTTP client for prefill/decode calls; auto: aiohttp when installed (less CPU)",
-    )
 
 
 def build_state(
     config: GatewayConfig,
     slo_table: str | Path,
     upstream_timeout_s: float = 600.0,
-    upstream_http: str = "auto",
 ) -> GatewayState:
     from transformers import AutoConfig, AutoTokenizer
 
+    from flowprefill.gateway.app import GatewayState
     from flowprefill.gateway.classify import SLOTableFile
     from flowprefill.gateway.routing import InstancePool
-    from flowprefill.gateway.state import GatewayState
-    from flowprefill.gateway.tokenizer import Tokenizer
-    from flowprefill.gateway.transport import make_upstream_http
-    from flowprefill.gateway.upstream import DecodeClient, PrefillClient
+    from flowprefill.gateway.tokens import Tokenizer
+    from flowprefill.gateway.upstream import DecodeClient, PrefillClient, UpstreamHTTP
     from flowprefill.models import resolve_model_path
     from flowprefill.prefill.predictor.model import TTFTPredictor
 
@@ -57,7 +49,7 @@ def build_state(
     # Ids the model embeds or the tokenizer knows: the larger, as vLLM checks prompts.
     vocab_size = max(len(hf_tok), int(getattr(model_config, "vocab_size", 0) or 0))
     predict = TTFTPredictor.load(config.predictor_path).predict_s if config.predictor_path else None
-    client = make_upstream_http(upstream_http, upstream_timeout_s, connect_timeout_s=5.0)
+    client = UpstreamHTTP(upstream_timeout_s, connect_timeout_s=5.0)
     decode_urls = [e.url for e in config.decode]
     return GatewayState(
         model_name=config.model_name,
@@ -88,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from flowprefill.web.limits import uvicorn_options
 
     config = GatewayConfig.model_validate_json(Path(args.config).read_text())
-    state = build_state(config, args.slo_table, args.upstream_timeout, args.upstream_http)
+    state = build_state(config, args.slo_table, args.upstream_timeout)
     limit = int(args.max_body_mb * 2**20)
     app = BodySizeLimit(create_gateway_app(state), limit, args.body_timeout)
     uvicorn.run(

@@ -4,7 +4,7 @@ A first token that is end-of-sequence (unless the request asks vLLM's ``ignore_e
 one of its ``stop_token_ids``, or an output budget of one token, ends the request here.
 Otherwise a decode instance (vLLM) continues from the prompt *plus* the first token,
 loading the prompt's KV through the hand-off (awaited first: the first token went out
-before prefill finished writing it), picked with :mod:`~flowprefill.gateway.failover`.
+before prefill finished writing it), picked with :func:`~flowprefill.gateway.routing.failover`.
 
 Who deletes the hand-off (a file of up to GBs that prefill's age sweep would otherwise
 keep for minutes): this stage releases it through the prefill instance
@@ -39,10 +39,9 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from flowprefill.gateway.classify import Job
 from flowprefill.gateway.errors import GatewayError, UpstreamError
-from flowprefill.gateway.failover import Placement, failover
-from flowprefill.gateway.job import Job
-from flowprefill.gateway.routing import Instance, InstancePool
+from flowprefill.gateway.routing import Instance, InstancePool, Placement, failover
 from flowprefill.gateway.upstream import DecodeClient, DecodeDelta, PrefillAnswer, PrefillClient
 
 

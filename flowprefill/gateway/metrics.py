@@ -1,23 +1,34 @@
-"""Prometheus metrics of the gateway (the operator scrapes the SLO ones for SLOClass status)."""
+"""Prometheus metrics of the gateway (the operator scrapes the SLO ones for SLOClass status).
+
+Also ``flowprefill_gateway_slo_attainment_target{slo_class}`` (:func:`export_slo_targets`):
+each class's attainment target from the SLO table it serves, read when scraped, so a
+reloaded table shows at once and a removed class disappears. With the SLO counters it lets
+a recording rule compute the error-budget burn rate, missed / (1 - target)
+(charts/flowprefill/files/recording-rules.yaml).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from flowprefill.contracts.metrics import (
     CLAIM_LABEL,
     GATEWAY_CLAIMS_REFUSED,
     GATEWAY_PREFILL_WORK,
     GATEWAY_SHED,
+    GATEWAY_SLO_ATTAINMENT_TARGET,
     GATEWAY_TPOT,
     SLO_CLASS_LABEL,
     TPOT_BUCKETS_S,
+    TTFT_BUCKETS_S,
 )
+from flowprefill.contracts.slo import SLOTable
 from flowprefill.gateway.classify import Refusal
 from flowprefill.gateway.errors import GatewayError
-from flowprefill.prefill.metrics import TTFT_BUCKETS_S
 
 
 class GatewayMetrics:
@@ -116,3 +127,25 @@ class GatewayMetrics:
 
     def failed(self, err: GatewayError) -> None:
         self.errors.labels(err.reason).inc()
+
+
+HELP = "Target fraction of requests meeting the TTFT SLO (attainmentTarget), by SLO class."
+
+
+class SLOTargets(Collector):
+    def __init__(self, table: Callable[[], SLOTable]) -> None:
+        self.table = table
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(GATEWAY_SLO_ATTAINMENT_TARGET, HELP, labels=[SLO_CLASS_LABEL])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(GATEWAY_SLO_ATTAINMENT_TARGET, HELP, labels=[SLO_CLASS_LABEL])
+        for slo_class in self.table().classes:
+            family.add_metric([slo_class.name], slo_class.attainment_target)
+        yield family
+
+
+def export_slo_targets(registry: CollectorRegistry, table: Callable[[], SLOTable]) -> None:
+    """Serve the targets of ``table()`` (called at every scrape) from ``registry``."""
+    registry.register(SLOTargets(table))

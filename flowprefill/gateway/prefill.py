@@ -4,8 +4,9 @@ First, admission (:meth:`~flowprefill.gateway.routing.InstancePool.admit`): a re
 a sheddable class (negative priority) that no instance is predicted to serve before its
 deadline is refused here, 429 with ``Retry-After``
 (:class:`~flowprefill.gateway.errors.ShedError`), before anything is sent; one the routed
-instance would serve late goes to an instance that can. Then the chosen instance (the
-pool's routing policy, with :mod:`~flowprefill.gateway.failover`) is sent a
+instance would serve late goes to an instance that can. The decision
+(:class:`~flowprefill.gateway.routing.Admitted`) is passed to the send: the admitted
+instance (with :func:`~flowprefill.gateway.routing.failover`'s retry rule) is sent a
 :class:`~flowprefill.contracts.prefill_api.PrefillRequest` carrying the class's
 ``ttft_slo_s`` and the ``elapsed_s`` since gateway arrival. When decode will continue the
 request, prefill is asked to hand off the KV cache, streamed so that writing it is not on
@@ -24,11 +25,10 @@ from collections.abc import Callable
 
 from flowprefill.contracts.prefill_api import PrefillRequest
 from flowprefill.gateway.admission import Refuse, is_sheddable
+from flowprefill.gateway.classify import Job
 from flowprefill.gateway.errors import ShedError
-from flowprefill.gateway.failover import Placement, failover_call
-from flowprefill.gateway.job import Job
 from flowprefill.gateway.metrics import GatewayMetrics
-from flowprefill.gateway.routing import Instance, InstancePool
+from flowprefill.gateway.routing import Admitted, Instance, InstancePool, Placement, failover_call
 from flowprefill.gateway.upstream import PrefillAnswer, PrefillClient
 
 
@@ -61,14 +61,10 @@ class PrefillStage:
             stream=hand_off,
         )
 
-    def admit(self, work: Placement, job: Job) -> None:
-        """Refuse ``job`` (raise :class:`ShedError`, counted per class) or reserve the
-        instance it goes to; decided once: an instance that has it serves it."""
-        decision = self.pool.admit(
-            deadline_s=work.deadline_s,
-            num_tokens=work.num_tokens,
-            sheddable=is_sheddable(job.slo.priority),
-        )
+    def admit(self, work: Placement, job: Job) -> Admitted:
+        """Where ``job`` goes, or refuse it (raise :class:`ShedError`, counted per class);
+        decided once: an instance that has it serves it."""
+        decision = self.pool.admit(work, sheddable=is_sheddable(job.slo.priority))
         if isinstance(decision, Refuse):
             self.metrics.shed.labels(job.slo.name).inc()
             raise ShedError(
@@ -77,6 +73,7 @@ class PrefillStage:
                 best_finish_in_s=decision.best_finish_s - self.clock(),
                 retry_after_s=decision.retry_after_s,
             )
+        return decision
 
     async def run(self, job: Job) -> PrefillAnswer:
         """Raises :class:`~flowprefill.gateway.errors.GatewayError` subclasses."""
@@ -91,7 +88,7 @@ class PrefillStage:
             return answer
 
         work = Placement(job.request_id, job.deadline_s, len(job.token_ids))
-        self.admit(work, job)
+        admitted = self.admit(work, job)
         # A request still waiting at its deadline is counted missed then, not when (or if)
         # its first token comes: under overload S-EDF sinks late requests below feasible
         # ones, and counting at the first token would show the misses only once the
@@ -107,10 +104,9 @@ class PrefillStage:
             max(0.0, job.deadline_s - self.clock()), at_deadline
         )
         try:
-            answer = await failover_call(self.pool, work, call)
+            answer = await failover_call(self.pool, work, call, admitted)
         finally:
             overdue.cancel()
-            self.pool.release_reservation(deadline_s=work.deadline_s, num_tokens=work.num_tokens)
         ttft_s = self.clock() - job.arrival_s
         self.metrics.prefill_work.labels(job.slo.name).inc(self.pool.predict_s(len(job.token_ids)))
         self.metrics.first_token(

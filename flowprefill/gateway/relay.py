@@ -1,9 +1,16 @@
 """Stage 4 of the pipeline: relay the first token and decode's pieces to the client, as
-one OpenAI body or as an OpenAI SSE stream (:mod:`~flowprefill.gateway.openai_wire`).
+one OpenAI body or as an OpenAI SSE stream; the OpenAI wire format of the gateway's
+answers, in one place.
+
+Completions answer ``text_completion`` objects, chat completions ``chat.completion``
+(streamed: ``chat.completion.chunk``); one choice (n=1). A stream is SSE: the first chunk
+(chat: with ``role: assistant``), one chunk per decoded piece, under
+``stream_options.include_usage`` a last chunk with no choices and the usage, then
+``[DONE]``. Error bodies are :func:`flowprefill.web.errors.error_body`.
 
 A failure after the first token: a collected answer raises it (the client gets its
 status); a stream, whose 200 is already sent, counts it (``flowprefill_gateway_errors``)
-and ends with an error event.
+and ends with an error event and ``[DONE]`` (no usage, as vLLM).
 """
 
 from __future__ import annotations
@@ -13,12 +20,77 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from flowprefill.gateway import openai_wire as wire
+from flowprefill.gateway.classify import Job
 from flowprefill.gateway.decode import Piece
 from flowprefill.gateway.errors import GatewayError
-from flowprefill.gateway.job import Job
 from flowprefill.gateway.metrics import GatewayMetrics
-from flowprefill.web.sse import DONE
+from flowprefill.web.errors import error_body
+from flowprefill.web.sse import DONE, sse_event
+
+
+def usage(job: Job) -> dict[str, int]:
+    prompt = len(job.token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": job.num_completion_tokens,
+        "total_tokens": prompt + job.num_completion_tokens,
+    }
+
+
+def _envelope(job: Job, model: str, obj: str) -> dict[str, Any]:
+    return {"id": job.request_id, "object": obj, "created": job.created, "model": model}
+
+
+def _chunk_object(job: Job) -> str:
+    return "chat.completion.chunk" if job.kind == "chat.completion" else job.kind
+
+
+def completion_body(job: Job, model: str, text: str, finish_reason: str) -> dict[str, Any]:
+    """A whole (non-streamed) answer."""
+    choice: dict[str, Any]
+    if job.kind == "chat.completion":
+        choice = {
+            "index": 0,
+            "finish_reason": finish_reason,
+            "message": {"role": "assistant", "content": text},
+        }
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    return {**_envelope(job, model, job.kind), "choices": [choice], "usage": usage(job)}
+
+
+def chunk_event(
+    job: Job, model: str, text: str, finish_reason: str | None, *, first: bool = False
+) -> str:
+    """One streamed piece as an SSE event."""
+    choice: dict[str, Any]
+    if job.kind == "chat.completion":
+        delta: dict[str, Any] = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    return sse_event({**_envelope(job, model, _chunk_object(job)), "choices": [choice]})
+
+
+def usage_event(job: Job, model: str) -> str:
+    """OpenAI's last chunk under ``stream_options.include_usage``: no choices, the usage."""
+    payload = {**_envelope(job, model, _chunk_object(job)), "choices": [], "usage": usage(job)}
+    return sse_event(payload)
+
+
+def error_event(err: GatewayError) -> str:
+    """A stream's end after a failure past its first byte (the status is already sent)."""
+    return sse_event(error_body(str(err), "upstream_error", code=err.reason))
+
+
+def models_body(model: str) -> dict[str, Any]:
+    """``GET /v1/models``."""
+    return {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": 0, "owned_by": "flowprefill"}],
+    }
 
 
 class Relay:
@@ -34,19 +106,19 @@ class Relay:
     ) -> AsyncIterator[str]:
         """SSE events; a client gone mid-stream closes ``pieces`` (and decode) at once."""
         first_s = self.clock()
-        yield wire.chunk_event(job, self.model, first_text, None, first=True)
+        yield chunk_event(job, self.model, first_text, None, first=True)
         options = job.body.stream_options
         try:
             async with aclosing(pieces):
                 async for piece in pieces:
-                    yield wire.chunk_event(job, self.model, piece.text, piece.finish_reason)
+                    yield chunk_event(job, self.model, piece.text, piece.finish_reason)
         except GatewayError as e:
             self.metrics.failed(e)
-            yield wire.error_event(e)
+            yield error_event(e)
         else:  # as vLLM does: no usage after an error event
             self._decoded(job, first_s)
             if options is not None and options.include_usage:
-                yield wire.usage_event(job, self.model)
+                yield usage_event(job, self.model)
         yield DONE
 
     async def collect(
@@ -61,7 +133,7 @@ class Relay:
                 texts.append(piece.text)
                 finish = piece.finish_reason or finish
         self._decoded(job, first_s)
-        return wire.completion_body(job, self.model, "".join(texts), finish)
+        return completion_body(job, self.model, "".join(texts), finish)
 
     def _decoded(self, job: Job, first_s: float) -> None:
         """TPOT of a finished request: the first token was handed over at ``first_s``."""

@@ -1,46 +1,101 @@
-"""Choosing a prefill (or decode) instance, and remembering which ones are healthy.
+"""Choosing a prefill (or decode) instance, keeping track of which ones are healthy, and
+the one retry rule.
 
-Policies (:class:`~flowprefill.contracts.names.Router`, chosen per pool in
-``gateway.json``: ``prefill_routing``, ``decode_routing``):
+**Routing** (:func:`route`; the policy is chosen per pool in ``gateway.json``:
+``prefill_routing``, ``decode_routing``, :class:`~flowprefill.contracts.names.Router`).
+Every policy reads the gateway's *in-flight book*: per instance, the requests this gateway
+sent there and still awaits (:attr:`Instance.in_flight`: request id -> deadline and
+tokens), booked while an attempt runs (:func:`failover`). No extra round trips.
 
 * ``round-robin`` — the paper's proxy: the next healthy instance in turn.
 * ``slack-aware`` (default for prefill) — the instance where this request's predicted
   slack is largest. Each instance runs EDF-like scheduling, so what delays a new request
   is the outstanding work *due before it*, not the whole queue: the predicted TTFT on an
-  instance is ``predict(tokens due earlier + own tokens)``. This is tracked from the
-  gateway's own in-flight requests (no extra round trips).
+  instance is ``predict(tokens due no later + own tokens)``. Ties rotate.
 * ``least-loaded`` (default for decode) — fewest in-flight requests; ties rotate.
 
-An instance that fails (connection error, 5xx) is taken out of rotation for a back-off
-that doubles per consecutive failure (1 s, 2 s, ... 30 s). When it expires, the next
-request may be sent there again: a refused connection is retried once on another instance
-(:mod:`flowprefill.gateway.failover`), so probing a dead instance costs no request; a
-success clears the count. An instance that accepts connections but stops answering
-(stopped, wedged) is found by the gateway's health probes instead
-(:mod:`flowprefill.gateway.health`) and kept out while it is stalled.
+The simulator routes with the same function over the same kind of book
+(:mod:`flowprefill.lab.sim.gateway`).
 
-Admission (:meth:`InstancePool.admit`, :mod:`flowprefill.gateway.admission`): before a
-request is sent, each instance's predicted first token for it is estimated from what this
-gateway sent there (entries due no later than it, except those already predicted to miss:
-S-EDF runs them after every feasible one) plus the work the instance reported that this
-gateway did not send (other gateways' or direct clients'), drained linearly over the
-engine's own predicted queue delay since the report (:class:`~flowprefill.contracts.
-prefill_api.PrefillLoad`, on every prefill answer). The instance admission chooses is
-where the request's first attempt goes.
+**Admission** (:meth:`InstancePool.admit`, the decision itself in
+:mod:`flowprefill.gateway.admission`): before a request is sent, each instance's predicted
+first token for it is estimated from the book (entries due no later than it, except those
+already predicted to miss: S-EDF runs them after every feasible one) plus the work the
+instance reported that this gateway did not send (other gateways' or direct clients'),
+drained linearly over the engine's own predicted queue delay since the report
+(:class:`~flowprefill.contracts.prefill_api.PrefillLoad`, on every prefill answer). The
+decision is handed to the sending stage as data (:class:`Admitted`, keyed by request id):
+its instance is where the request's first attempt goes.
+
+**Back-off.** An instance that fails (connection error, 5xx) is taken out of rotation for a
+back-off that doubles per consecutive failure (1 s, 2 s, ... 30 s). When it expires, the
+next request may be sent there again: a refused connection is retried once on another
+instance, so probing a dead instance costs no request; a success clears the count.
+
+**Retry** (:func:`failover`, for prefill and decode alike). A failure with a 5xx status
+takes the instance out of rotation for its back-off; a success clears its record. An
+attempt is tried once more, on another pick, when that cannot duplicate anything the
+client sees:
+
+* a *refused connection* (:attr:`~flowprefill.gateway.errors.UpstreamError.retryable`:
+  the instance never saw the request);
+* an instance that died or stalled before the attempt received anything from it
+  (:attr:`~flowprefill.gateway.errors.UpstreamError.connection_lost`): a prefill has no side
+  effect but compute, and a decode that produced nothing yet has streamed nothing.
+
+An attempt that had received something ends with its error: its output reached the
+client. The KV hand-off does not pin decode to an instance — it lives in shared storage or
+at the prefill instance, and a decode that cannot read it recomputes.
+
+**Stalled instances** (:class:`HealthProber`): alive enough to accept a connection, never
+answering. A process that is stopped (SIGSTOP, a frozen node, a wedged event loop) still
+completes TCP handshakes from its listen backlog, so requests sent to it neither fail nor
+finish: the failure-driven back-off never sees it. The gateway therefore probes every
+instance's liveness path on its own:
+
+* every ``interval_s`` each instance gets ``GET /health`` with a ``timeout_s`` deadline;
+* ``failures`` consecutive probes without an answer in time mark it *stalled*: it leaves
+  rotation, and attempts in flight on it are abandoned (:func:`failover` retries one that
+  had received nothing yet on another instance, and ends one that had with a clear error);
+* the first answered probe (any HTTP status: the process runs) puts it back.
+
+A probe also ends a dead instance's back-off: one whose probes were refused and that now
+answers has been restarted (and a vLLM or prefill server listens only once it can serve),
+so it is back in rotation at once instead of after a back-off that doubled while it was
+down (up to 30 s of every request failing for want of it when it is the only one).
+
+So a stall is detected within ``failures × (interval_s + timeout_s)`` (4 s by default)
+of its start. A refused connection says nothing about a stall: a dead process fails the
+requests sent to it at once, and the back-off handles it; a stalled instance that dies
+stays out until it answers again (restarted).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+import httpx
+
+from flowprefill.contracts.deployment import HEALTH_PATH
+from flowprefill.contracts.gateway import HealthProbeSettings
 from flowprefill.contracts.names import Router
 from flowprefill.contracts.prefill_api import PrefillLoad
-from flowprefill.gateway.admission import Accept, Decision, Estimate, decide, predicted_finish_s
-from flowprefill.gateway.errors import NoHealthyInstanceError
+from flowprefill.gateway.admission import Accept, Estimate, Refuse, decide, predicted_finish_s
+from flowprefill.gateway.errors import NoHealthyInstanceError, UpstreamError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_ATTEMPTS = 2
 
 
 @dataclass(eq=False)
@@ -49,11 +104,12 @@ class Instance:
     healthy: bool = True
     consecutive_failures: int = 0
     retry_after_s: float = 0.0
-    # request id -> (deadline_s, num_tokens) of work this gateway sent and awaits.
     in_flight: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """The in-flight book: request id -> (deadline_s, num_tokens) of work this gateway
+    sent here and awaits."""
     stall: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set while the health prober finds it unresponsive (flowprefill.gateway.health):
-    out of rotation whatever its back-off says."""
+    """Set while the health prober finds it unresponsive (:class:`HealthProber`): out of
+    rotation whatever its back-off says."""
 
     @property
     def num_in_flight(self) -> int:
@@ -65,6 +121,52 @@ class Instance:
     @property
     def tokens_in_flight(self) -> int:
         return sum(n for _, n in self.in_flight.values())
+
+
+def route(
+    policy: Router,
+    candidates: Sequence[Instance],
+    turn: int,
+    *,
+    deadline_s: float,
+    num_tokens: int,
+    now_s: float,
+    predict_s: Callable[[int], float],
+) -> Instance:
+    """The instance ``policy`` picks among ``candidates`` (non-empty, in pool order) for a
+    request of ``num_tokens`` due at ``deadline_s``, from their in-flight books. ``turn``
+    (one more per pick) rotates round-robin and where ties start, so ties spread instead
+    of always landing on the first candidate."""
+    k = turn % len(candidates)
+    if policy is Router.ROUND_ROBIN or len(candidates) == 1:
+        return candidates[k]
+    rotated = [*candidates[k:], *candidates[:k]]
+    if policy is Router.LEAST_LOADED:
+        return min(rotated, key=lambda i: i.num_in_flight)
+    return max(
+        rotated,
+        key=lambda i: deadline_s - now_s - predict_s(i.tokens_due_before(deadline_s) + num_tokens),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """What a pool needs to pick an instance for a request and book it there."""
+
+    request_id: str
+    deadline_s: float
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Admission's decision for one request, handed to the stage that sends it: the
+    instance its first attempt goes to."""
+
+    request_id: str
+    instance: Instance
+    rerouted: bool = False
+    """Not the instance routing preferred (that one was predicted too late)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +213,6 @@ class InstancePool:
         self._rr = itertools.count()
         self.reports: dict[str, LoadReport] = {}
         """Instance URL -> its latest load report."""
-        self._reserved: dict[tuple[float, int], Instance] = {}
 
     def healthy(self) -> list[Instance]:
         now = self.clock()
@@ -125,27 +226,19 @@ class InstancePool:
         return out
 
     def pick(self, *, deadline_s: float, num_tokens: int) -> Instance:
-        """The instance for a request due at ``deadline_s``: the one :meth:`admit`
-        reserved for it if still healthy, else the routing policy's choice."""
+        """The routing policy's choice among the healthy instances (:func:`route`).
+        Raises NoHealthyInstanceError with none."""
         candidates = self.healthy()
         if not candidates:
             raise NoHealthyInstanceError(self.role)
-        reserved = self._reserved.pop((deadline_s, num_tokens), None)
-        if reserved is not None and reserved in candidates:
-            return reserved
-        turn = next(self._rr)
-        if self.policy is Router.ROUND_ROBIN or len(candidates) == 1:
-            return candidates[turn % len(candidates)]
-        # Rotate the start so ties spread instead of always landing on the first one.
-        rotated = candidates[turn % len(candidates) :] + candidates[: turn % len(candidates)]
-        if self.policy is Router.LEAST_LOADED:
-            return min(rotated, key=lambda i: i.num_in_flight)
-        now = self.clock()
-        return max(
-            rotated,
-            key=lambda i: (
-                deadline_s - now - self.predict_s(i.tokens_due_before(deadline_s) + num_tokens)
-            ),
+        return route(
+            self.policy,
+            candidates,
+            next(self._rr),
+            deadline_s=deadline_s,
+            num_tokens=num_tokens,
+            now_s=self.clock(),
+            predict_s=self.predict_s,
         )
 
     def estimate_finish_s(
@@ -162,38 +255,32 @@ class InstancePool:
             ahead += report.foreign_tokens_at(now_s)
         return predicted_finish_s(now_s, ahead, num_tokens, self.predict_s)
 
-    def admit(self, *, deadline_s: float, num_tokens: int, sheddable: bool) -> Decision:
-        """Where a request goes, or that it is refused
-        (:func:`~flowprefill.gateway.admission.decide`). An accepted request's instance is
-        reserved: the next :meth:`pick` for the same deadline and size returns it (the
-        failover's first attempt). Raises NoHealthyInstanceError with nothing to pick."""
-        preferred = self.pick(deadline_s=deadline_s, num_tokens=num_tokens)
+    def admit(self, work: Placement, *, sheddable: bool) -> Admitted | Refuse:
+        """Where ``work`` goes (:class:`Admitted`), or that it is refused
+        (:func:`~flowprefill.gateway.admission.decide` on the routing policy's pick).
+        Raises NoHealthyInstanceError with nothing to pick."""
+        preferred = self.pick(deadline_s=work.deadline_s, num_tokens=work.num_tokens)
         if not sheddable:
-            decision: Decision = Accept(self.instances.index(preferred))
-        else:
-            now = self.clock()
-            estimates = [
-                Estimate(
-                    self.instances.index(inst),
-                    self.estimate_finish_s(
-                        inst, deadline_s=deadline_s, num_tokens=num_tokens, now_s=now
-                    ),
-                )
-                for inst in self.healthy()
-            ]
-            decision = decide(
-                sheddable=True,
-                deadline_s=deadline_s,
-                estimates=estimates,
-                preferred=self.instances.index(preferred),
+            return Admitted(work.request_id, preferred)
+        now = self.clock()
+        estimates = [
+            Estimate(
+                self.instances.index(inst),
+                self.estimate_finish_s(
+                    inst, deadline_s=work.deadline_s, num_tokens=work.num_tokens, now_s=now
+                ),
             )
+            for inst in self.healthy()
+        ]
+        decision = decide(
+            sheddable=True,
+            deadline_s=work.deadline_s,
+            estimates=estimates,
+            preferred=self.instances.index(preferred),
+        )
         if isinstance(decision, Accept):
-            self._reserved[(deadline_s, num_tokens)] = self.instances[decision.index]
+            return Admitted(work.request_id, self.instances[decision.index], decision.rerouted)
         return decision
-
-    def release_reservation(self, *, deadline_s: float, num_tokens: int) -> None:
-        """Forget a reservation :meth:`pick` did not take (the request ended before)."""
-        self._reserved.pop((deadline_s, num_tokens), None)
 
     def report_load(self, url: str, load: PrefillLoad, *, answered: str) -> None:
         """Instance ``url`` reported ``load`` in its answer to request ``answered``: the
@@ -221,3 +308,193 @@ class InstancePool:
     def mark_success(self, inst: Instance) -> None:
         inst.consecutive_failures = 0
         inst.healthy = True
+
+
+async def failover(
+    pool: InstancePool,
+    work: Placement,
+    attempt: Callable[[Instance], AsyncGenerator[T, None]],
+    admitted: Admitted | None = None,
+) -> AsyncGenerator[T, None]:
+    """Yield what ``attempt(instance)`` yields, on ``admitted``'s instance while it is
+    healthy, else on the instance ``pool`` picks; after a failure that is safe to retry
+    (see the module docstring), on a second pick. Raises the last
+    :class:`~flowprefill.gateway.errors.UpstreamError`, or
+    :class:`~flowprefill.gateway.errors.NoHealthyInstanceError` when nothing is left to
+    pick."""
+    if admitted is not None and admitted.request_id != work.request_id:
+        raise ValueError(f"admitted {admitted.request_id}, asked to send {work.request_id}")
+    for n in range(1, MAX_ATTEMPTS + 1):
+        first = admitted.instance if admitted is not None and n == 1 else None
+        if first is not None and first in pool.healthy():
+            inst = first
+        else:
+            inst = pool.pick(deadline_s=work.deadline_s, num_tokens=work.num_tokens)
+        pool.begin(inst, work.request_id, work.deadline_s, work.num_tokens)
+        received = False
+        try:
+            async with (
+                aclosing(attempt(inst)) as items,
+                aclosing(until_stalled(items, inst, pool.role)) as guarded,
+            ):
+                async for item in guarded:
+                    received = True
+                    yield item
+            pool.mark_success(inst)
+            return
+        except UpstreamError as e:
+            if e.status >= 500:
+                pool.mark_failure(inst)
+            again = e.retryable or (e.connection_lost and not received)
+            if not (again and n < MAX_ATTEMPTS):
+                raise
+        finally:
+            pool.end(inst, work.request_id)
+
+
+async def until_stalled(
+    items: AsyncIterator[T], inst: Instance, role: str
+) -> AsyncGenerator[T, None]:
+    """``items``, until ``inst`` is declared stalled: then the pending step is cancelled
+    (which closes its upstream connection) and an unanswered :class:`UpstreamError` is
+    raised instead.
+
+    The steps run in the caller's task — upstream clients keep per-task state across a
+    stream — so the abandonment is a cancellation of this task, sent only while it waits
+    inside a step (``waiting``) and taken back (``uncancel``) when it arrives. A stall
+    noticed while the consumer handles an item is acted on before the next step."""
+    task = asyncio.current_task()
+    assert task is not None, "until_stalled runs inside a task"
+    waiting = abandoned = False
+
+    def on_stall(_: object) -> None:
+        nonlocal abandoned
+        if waiting and not abandoned:
+            abandoned = True
+            task.cancel(f"{role} instance {inst.url} stalled")
+
+    watcher = asyncio.ensure_future(inst.stall.wait())
+    watcher.add_done_callback(on_stall)
+    try:
+        while True:
+            if inst.stall.is_set():
+                raise _stalled(inst, role)
+            waiting = True
+            try:
+                item = await anext(items)
+            except StopAsyncIteration:
+                if abandoned:  # it swallowed the cancellation and finished anyway
+                    task.uncancel()
+                return
+            except (asyncio.CancelledError, UpstreamError):
+                # Ours alone (not the client's too): the attempt is abandoned, not failed.
+                if abandoned and task.uncancel() == 0:
+                    raise _stalled(inst, role) from None
+                raise
+            finally:
+                waiting = False
+            if abandoned:  # the step finished anyway; the cancellation is not ours to keep
+                task.uncancel()
+                raise _stalled(inst, role)
+            yield item
+    finally:
+        watcher.remove_done_callback(on_stall)
+        watcher.cancel()
+
+
+def _stalled(inst: Instance, role: str) -> UpstreamError:
+    return UpstreamError(
+        503,
+        f"{role} instance {inst.url} stopped answering (health probes failed); abandoned",
+        f"{role}_stalled",
+        connection_lost=True,
+    )
+
+
+async def failover_call(
+    pool: InstancePool,
+    work: Placement,
+    call: Callable[[Instance], Awaitable[T]],
+    admitted: Admitted | None = None,
+) -> T:
+    """:func:`failover` for an attempt with one result."""
+
+    async def once(inst: Instance) -> AsyncGenerator[T, None]:
+        yield await call(inst)
+
+    results = [r async for r in failover(pool, work, once, admitted)]
+    return results[-1]
+
+
+class Probe(enum.Enum):
+    ANSWERED = "answered"
+    """Any HTTP answer: the process runs its server."""
+    UNANSWERED = "unanswered"
+    """No answer within the timeout: the stall signal."""
+    UNREACHABLE = "unreachable"
+    """Refused or unresolvable: dead (or not started), not stalled."""
+
+
+class HealthProber:
+    """Probes the instances of ``pools`` until cancelled (a task of the gateway's
+    lifespan). Owns each instance's stalled flag (``Instance.stall``) and its run of
+    failed probes."""
+
+    def __init__(self, pools: Sequence[InstancePool], settings: HealthProbeSettings) -> None:
+        self.pools = list(pools)
+        self.settings = settings
+        self._failed: dict[str, int] = {}
+        self._refused: set[str] = set()
+        """Instances whose last probe was refused: dead, or not started yet."""
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient() as client:
+            while True:
+                await self.probe_all(client)
+                await asyncio.sleep(self.settings.interval_s)
+
+    async def probe_all(self, client: httpx.AsyncClient) -> None:
+        """One round: every instance probed concurrently, flags updated."""
+        targets = [(pool, inst) for pool in self.pools for inst in pool.instances]
+        answers = await asyncio.gather(*(self._probe(client, inst) for _, inst in targets))
+        for (pool, inst), probe in zip(targets, answers, strict=True):
+            self._record(pool, inst, probe)
+
+    async def _probe(self, client: httpx.AsyncClient, inst: Instance) -> Probe:
+        try:
+            await client.get(inst.url + HEALTH_PATH, timeout=self.settings.timeout_s)
+        except httpx.TimeoutException:
+            return Probe.UNANSWERED
+        except httpx.HTTPError:
+            return Probe.UNREACHABLE
+        return Probe.ANSWERED
+
+    def _record(self, pool: InstancePool, inst: Instance, probe: Probe) -> None:
+        if probe is Probe.UNREACHABLE:
+            self._refused.add(inst.url)
+            return
+        if probe is Probe.ANSWERED:
+            self._failed[inst.url] = 0
+            if inst.url in self._refused:
+                self._refused.discard(inst.url)
+                if not inst.healthy:  # restarted: its back-off was for the dead process
+                    pool.mark_success(inst)
+                    log.warning(
+                        "%s instance %s answers again: back in rotation", pool.role, inst.url
+                    )
+            if inst.stall.is_set():
+                inst.stall.clear()
+                log.warning("%s instance %s answers its health probe again", pool.role, inst.url)
+            return
+        failed = self._failed.get(inst.url, 0) + 1
+        self._failed[inst.url] = failed
+        if failed >= self.settings.failures and not inst.stall.is_set():
+            inst.stall.set()  # out of rotation; attempts on it are abandoned
+            log.warning(
+                "%s instance %s failed %d health probes in a row: out of rotation until it "
+                "answers (%d requests in flight on it abandoned)",
+                pool.role,
+                inst.url,
+                failed,
+                inst.num_in_flight,
+            )

@@ -15,13 +15,18 @@ from flowprefill.gateway.admission import (
     is_sheddable,
     predicted_finish_s,
 )
-from flowprefill.gateway.classify import Classification
+from flowprefill.gateway.classify import Classification, Job
 from flowprefill.gateway.errors import ShedError, UpstreamError
-from flowprefill.gateway.job import Job
 from flowprefill.gateway.metrics import GatewayMetrics
-from flowprefill.gateway.openai_models import CompletionRequest
+from flowprefill.gateway.openai_api import CompletionRequest
 from flowprefill.gateway.prefill import PrefillStage
-from flowprefill.gateway.routing import InstancePool
+from flowprefill.gateway.routing import (
+    Admitted,
+    Instance,
+    InstancePool,
+    Placement,
+    failover_call,
+)
 from flowprefill.gateway.upstream import PrefillAnswer, PrefillClient
 
 
@@ -119,23 +124,44 @@ def test_foreign_work_from_load_reports_counts_and_drains() -> None:
     assert "http://unknown" not in pool.reports
 
 
-def test_pool_admission_reserves_the_chosen_instance_for_the_first_pick() -> None:
+def test_pool_admission_names_the_instance_the_request_goes_to() -> None:
     clock = Clock(100.0)
     pool = pool_of(2, clock)
     busy, idle = pool.instances
     for k in range(3):
         pool.begin(busy, f"b{k}", 100.9, 600)  # 1.8 s due before 101.0
-    # Round-robin would send the first request to the busy instance: rerouted, reserved.
-    decision = pool.admit(deadline_s=101.0, num_tokens=100, sheddable=True)
-    assert decision == Accept(1, rerouted=True)
-    assert pool.pick(deadline_s=101.0, num_tokens=100) is idle
-    # A non-sheddable request keeps the routing choice, late or not.
-    decision = pool.admit(deadline_s=101.0, num_tokens=100, sheddable=False)
-    assert isinstance(decision, Accept)
-    first = pool.instances[decision.index]
-    assert pool.pick(deadline_s=101.0, num_tokens=100) is first
+    # Round-robin would send the first request to the busy instance: rerouted.
+    work = Placement("r1", 101.0, 100)
+    assert pool.admit(work, sheddable=True) == Admitted("r1", idle, rerouted=True)
+    # A non-sheddable request keeps the routing choice (round-robin's next: idle; then
+    # busy), late or not.
+    assert pool.admit(Placement("r2", 101.0, 100), sheddable=False) == Admitted("r2", idle)
+    assert pool.admit(Placement("r3", 101.0, 100), sheddable=False) == Admitted("r3", busy)
     pool.begin(idle, "i0", 100.96, 950)  # feasible itself, 1.05 s with ours
-    assert isinstance(pool.admit(deadline_s=101.0, num_tokens=100, sheddable=True), Refuse)
+    assert isinstance(pool.admit(Placement("r4", 101.0, 100), sheddable=True), Refuse)
+
+
+async def test_the_first_attempt_goes_where_admission_sent_it() -> None:
+    """The admitted instance, not a new routing pick; a second pick if it is down."""
+    clock = Clock(100.0)
+    pool = pool_of(3, clock)
+    client = Prefill()
+    work = Placement("r1", 101.0, 100)
+    admitted = Admitted("r1", pool.instances[2])
+
+    async def call(inst: Instance) -> PrefillAnswer:
+        return await client.prefill(
+            inst.url,
+            PrefillRequest(request_id="r1", prompt_token_ids=[1], ttft_slo_s=1.0, elapsed_s=0.0),
+            {},
+        )
+
+    await failover_call(pool, work, call, admitted)
+    pool.mark_failure(pool.instances[2])
+    await failover_call(pool, work, call, admitted)
+    assert client.sent == ["http://i2", "http://i0"]
+    with pytest.raises(ValueError, match="admitted r1"):
+        await failover_call(pool, Placement("r2", 101.0, 100), call, admitted)
 
 
 # ------------------------------------------------------------ the prefill stage
@@ -239,4 +265,4 @@ async def test_a_request_once_accepted_is_never_refused_even_on_failover() -> No
     answer = await stage.run(job(-1, arrival_s=100.0))
     assert client.sent == ["http://i0", "http://i1"]
     assert answer.prefill_url == "http://i1"
-    assert not pool._reserved  # nothing left behind
+    assert all("cmpl-1" not in inst.in_flight for inst in pool.instances)  # booked no more

@@ -11,8 +11,13 @@ import pytest
 from flowprefill.contracts import SLOTable
 from flowprefill.contracts.slo import Fallback
 from flowprefill.errors import InvalidRequestError
-from flowprefill.gateway.classify import SLOTableFile, classify, fallback_note
-from flowprefill.gateway.slo_request import SLORequest, slo_request
+from flowprefill.gateway.classify import (
+    SLORequest,
+    SLOTableFile,
+    classify,
+    fallback_note,
+    slo_request,
+)
 
 KEY_HASH = hashlib.sha256(b"sk-batch").hexdigest()
 TABLE = {

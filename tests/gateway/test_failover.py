@@ -19,9 +19,8 @@ import pytest
 
 from flowprefill.contracts import Endpoint, GatewayConfig
 from flowprefill.contracts.gateway import HealthProbeSettings
-from flowprefill.gateway.app import create_gateway_app
+from flowprefill.gateway.app import GatewayState, create_gateway_app
 from flowprefill.gateway.cli import build_state
-from flowprefill.gateway.state import GatewayState
 from flowprefill.models import named_model_dir
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from tests.helpers import free_port, serve_in_thread

@@ -18,8 +18,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from flowprefill.gateway.openai_fields import NO_EFFECT, PASSED_TO_DECODE, REFUSED
-from flowprefill.gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from flowprefill.gateway.openai_api import (
+    NO_EFFECT,
+    PASSED_TO_DECODE,
+    REFUSED,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from flowprefill.models import named_model_dir
 from tests.helpers import local_stack, serve_in_thread
 

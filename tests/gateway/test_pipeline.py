@@ -19,15 +19,13 @@ from flowprefill.contracts import SLOTable, SLOTableClass
 from flowprefill.contracts.kv import HandoffRef
 from flowprefill.contracts.names import Router
 from flowprefill.contracts.prefill_api import PrefillRequest, PrefillResponse
-from flowprefill.gateway.classify import Classification
+from flowprefill.gateway.classify import Classification, Job
 from flowprefill.gateway.decode import DecodeStage, Piece
 from flowprefill.gateway.errors import NoHealthyInstanceError, UpstreamError
-from flowprefill.gateway.failover import Placement, failover_call
-from flowprefill.gateway.job import Job
 from flowprefill.gateway.metrics import GatewayMetrics
-from flowprefill.gateway.openai_models import CompletionRequest
+from flowprefill.gateway.openai_api import CompletionRequest
 from flowprefill.gateway.prefill import PrefillStage
-from flowprefill.gateway.routing import Instance, InstancePool
+from flowprefill.gateway.routing import Instance, InstancePool, Placement, failover_call
 from flowprefill.gateway.upstream import DecodeClient, DecodeDelta, PrefillAnswer, PrefillClient
 
 

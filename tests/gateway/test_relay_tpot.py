@@ -8,8 +8,8 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from flowprefill.contracts.metrics import GATEWAY_TPOT
+from flowprefill.gateway.classify import Job
 from flowprefill.gateway.decode import Piece
-from flowprefill.gateway.job import Job
 from flowprefill.gateway.metrics import GatewayMetrics
 from flowprefill.gateway.relay import Relay
 from tests.gateway.test_pipeline import Clock, job

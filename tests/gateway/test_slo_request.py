@@ -10,11 +10,16 @@ import pytest
 
 from flowprefill.contracts import SLOTable
 from flowprefill.contracts.slo import Fallback
-from flowprefill.gateway.classify import Classification, classify, fallback_note
+from flowprefill.gateway.classify import (
+    Classification,
+    Job,
+    SLORequest,
+    classify,
+    fallback_note,
+    slo_request,
+)
 from flowprefill.gateway.errors import ClientError
-from flowprefill.gateway.job import Job
-from flowprefill.gateway.openai_models import CompletionRequest
-from flowprefill.gateway.slo_request import SLORequest, slo_request
+from flowprefill.gateway.openai_api import CompletionRequest
 
 KEY = "sk-tenant"
 KEY_HASH = hashlib.sha256(KEY.encode()).hexdigest()

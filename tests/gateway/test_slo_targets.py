@@ -7,8 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flowprefill.contracts.metrics import GATEWAY_SLO_ATTAINMENT_TARGET
 from flowprefill.contracts.slo import SLOTable, SLOTableClass
-from flowprefill.gateway.metrics import GatewayMetrics
-from flowprefill.gateway.slo_targets import export_slo_targets
+from flowprefill.gateway.metrics import GatewayMetrics, export_slo_targets
 
 
 def _table(**targets: float) -> SLOTable:

@@ -19,18 +19,18 @@ import pytest
 from transformers import AutoTokenizer
 
 from flowprefill.contracts import Endpoint, GatewayConfig, SLOTable
-from flowprefill.gateway.admit import admit
-from flowprefill.gateway.app import create_gateway_app
+from flowprefill.gateway import tokens
+from flowprefill.gateway.app import GatewayState, create_gateway_app
+from flowprefill.gateway.classify import intake
 from flowprefill.gateway.cli import build_state
 from flowprefill.gateway.errors import ClientError
-from flowprefill.gateway.openai_models import (
+from flowprefill.gateway.openai_api import (
     ChatCompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from flowprefill.gateway.state import GatewayState
-from flowprefill.gateway.tokenizer import Tokenizer
+from flowprefill.gateway.tokens import Tokenizer, prompt_token_ids
 from flowprefill.models import named_model_dir
 
 CHAT = [
@@ -65,8 +65,9 @@ async def client(state: GatewayState) -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
-def _admitted_ids(state: GatewayState, body: ChatCompletionRequest | Any) -> list[int]:
-    job = admit(
+def _prefilled_ids(state: GatewayState, body: ChatCompletionRequest | Any) -> list[int]:
+    """The token ids stage 1 puts in the job, i.e. what prefill is sent."""
+    job = intake(
         body,
         arrival_s=0.0,
         headers={},
@@ -92,9 +93,9 @@ async def test_tokenize_a_prompt_as_vllm_answers(
     assert body["max_model_len"] == state.tokenizer.max_model_len
     assert body["token_strs"] is None
     # The ids /v1/completions would send to prefill for the same prompt.
-    from flowprefill.gateway.openai_models import CompletionRequest
+    from flowprefill.gateway.openai_api import CompletionRequest
 
-    assert body["tokens"] == _admitted_ids(state, CompletionRequest(model="tiny", prompt=prompt))
+    assert body["tokens"] == _prefilled_ids(state, CompletionRequest(model="tiny", prompt=prompt))
 
     r = await client.post(
         "/tokenize",
@@ -117,7 +118,7 @@ async def test_tokenize_a_chat_matches_what_chat_completions_prefills(
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
     assert ids == list(expected)
     chat = ChatCompletionRequest.model_validate({"model": "tiny", "messages": CHAT})
-    assert ids == _admitted_ids(state, chat)
+    assert ids == _prefilled_ids(state, chat)
 
     # vLLM's other chat flags reach the template.
     r = await client.post(
@@ -134,6 +135,59 @@ async def test_tokenize_a_chat_matches_what_chat_completions_prefills(
     )
     assert r.status_code == 200, r.text
     assert hf.decode(r.json()["tokens"]).endswith("Fine")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+async def test_tokenize_and_chat_completions_share_one_tokenization(
+    client: httpx.AsyncClient, state: GatewayState
+) -> None:
+    """/tokenize answers the ids chat completions send to prefill, and both refuse a chat
+    template in the request with the same 400."""
+    chat = {"model": "tiny", "messages": CHAT, "chat_template_kwargs": {"note": "x"}}
+    r = await client.post("/tokenize", json={**chat, "tools": []})
+    assert r.status_code == 200, r.text
+    body = ChatCompletionRequest.model_validate({**chat, "tools": []})
+    assert r.json()["tokens"] == _prefilled_ids(state, body)
+    templates = ({"chat_template": "{{ 1 }}"}, {"chat_template_kwargs": {"chat_template": "x"}})
+    for template in templates:
+        tokenized = await client.post("/tokenize", json={**chat, **template})
+        completed = await client.post(
+            "/v1/chat/completions", json={**chat, **template, "max_tokens": 1}
+        )
+        assert tokenized.status_code == completed.status_code == 400, completed.text
+        assert tokenized.json() == completed.json()
+        assert tokenized.json()["error"]["param"] == next(iter(template))
+
+
+def test_tools_reach_the_template_on_the_one_path(model_dir: Path) -> None:
+    """With a template that lists tools, /tokenize's ids include them, and they are the
+    ids the chat path computes for the same body (which chat completions then refuse:
+    tool calls are not parsed out of the answer)."""
+    hf: Any = AutoTokenizer.from_pretrained(model_dir)
+    hf.chat_template = (
+        "{% for t in tools or [] %}tool {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    tok = Tokenizer(hf, max_model_len=512, eos_token_ids=set())
+    chat = {"model": "tiny", "messages": CHAT, "tools": TOOLS}
+    ids = tokens.tokenize(tokens.parse_tokenize(chat), tok, "tiny")["tokens"]
+    assert "tool get_weather" in hf.decode(ids)
+    body = ChatCompletionRequest.model_validate(chat)
+    assert ids == prompt_token_ids(body, tok)
+    assert [param for param, _ in body.refusals()] == ["tools"]
+    without = tokens.tokenize(tokens.parse_tokenize({**chat, "tools": None}), tok, "tiny")
+    assert without["tokens"] != ids
 
 
 async def test_detokenize_round_trips_and_keeps_special_tokens(
@@ -173,8 +227,8 @@ async def test_detokenize_round_trips_and_keeps_special_tokens(
             "/tokenize",
             {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}},
             400,
-            "chat_template",
-            "refused",
+            "chat_template_kwargs",
+            "not served",
         ),
         ("/detokenize", {"model": "tiny"}, 400, "tokens", "Field required"),
         ("/detokenize", {"tokens": [1, "a"]}, 400, "tokens.1", "integer"),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from flowprefill.gateway.tokenizer import Tokenizer
+from flowprefill.gateway.tokens import Tokenizer
 from flowprefill.models import named_model_dir
 
 PROMPTS = [

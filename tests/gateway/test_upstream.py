@@ -1,8 +1,7 @@
-"""The gateway's upstream HTTP clients (aiohttp and httpx) against stub upstreams.
-
-Both must behave alike: same answers, same error statuses and reasons, connections kept
-alive across requests (a decode stream is read to its end), and a request given up on
-(client gone) closes its upstream connection so the upstream can cancel.
+"""The gateway's upstream HTTP client against stub upstreams: answers, error statuses and
+reasons, connections kept alive across requests (a decode stream is read to its end), and
+a request given up on (client gone) closes its upstream connection so the upstream can
+cancel.
 """
 
 from __future__ import annotations
@@ -21,16 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from flowprefill.contracts.kv import HandoffRef
 from flowprefill.contracts.prefill_api import PrefillRequest
 from flowprefill.gateway.errors import UpstreamError
-from flowprefill.gateway.transport import UpstreamHTTP, make_upstream_http
-from flowprefill.gateway.upstream import DecodeClient, PrefillClient
+from flowprefill.gateway.upstream import DecodeClient, PrefillClient, UpstreamHTTP
 from tests.helpers import free_port, serve_in_thread
-
-try:
-    import aiohttp  # noqa: F401
-
-    BACKENDS: tuple[str, ...] = ("aiohttp", "httpx")
-except ImportError:  # the gateway falls back to httpx
-    BACKENDS = ("httpx",)
 
 
 class Seen:
@@ -136,9 +127,9 @@ def upstream() -> Iterator[tuple[str, Seen]]:
         yield url, seen
 
 
-@pytest.fixture(params=BACKENDS)
-async def http(request: pytest.FixtureRequest) -> AsyncIterator[UpstreamHTTP]:
-    h = make_upstream_http(request.param, timeout_s=5.0)
+@pytest.fixture
+async def http() -> AsyncIterator[UpstreamHTTP]:
+    h = UpstreamHTTP(timeout_s=5.0)
     yield h
     await h.aclose()
 
@@ -258,10 +249,9 @@ async def test_upstream_errors_become_gateway_statuses(
     assert (await prefill(http, url)).first_token_id == 3
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-async def test_slow_upstream_times_out(backend: str, upstream: tuple[str, Seen]) -> None:
+async def test_slow_upstream_times_out(upstream: tuple[str, Seen]) -> None:
     url, _ = upstream
-    http = make_upstream_http(backend, timeout_s=0.2)
+    http = UpstreamHTTP(timeout_s=0.2)
     try:
         with pytest.raises(UpstreamError) as e:
             await prefill(http, url, "slow")

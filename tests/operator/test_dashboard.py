@@ -18,8 +18,7 @@ from prometheus_client import CollectorRegistry
 
 import flowprefill.contracts.metrics as metric_names
 from flowprefill.contracts.slo import SLOTable
-from flowprefill.gateway.metrics import GatewayMetrics
-from flowprefill.gateway.slo_targets import export_slo_targets
+from flowprefill.gateway.metrics import GatewayMetrics, export_slo_targets
 from flowprefill.prefill.metrics import EngineMetrics
 from tests.operator.chart import CHART, render
 

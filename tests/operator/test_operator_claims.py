@@ -16,8 +16,7 @@ from flowprefill_operator.models import SLOClassSpec
 from pydantic import ValidationError
 
 from flowprefill.contracts import SLOTable
-from flowprefill.gateway.classify import classify
-from flowprefill.gateway.slo_request import slo_request
+from flowprefill.gateway.classify import classify, slo_request
 from tests.operator.crdcheck import validate_cr
 
 

@@ -4,7 +4,7 @@ same estimate on the same queues, and only for sheddable classes."""
 from __future__ import annotations
 
 from flowprefill.gateway.admission import Refuse
-from flowprefill.gateway.routing import InstancePool
+from flowprefill.gateway.routing import InstancePool, Placement
 from flowprefill.lab.sim.driver import Instance, Simulation
 from flowprefill.lab.sim.gateway import SIM_PRIORITIES, ShedQueue, get_admission
 from flowprefill.lab.sim.plan import Granularity
@@ -61,5 +61,5 @@ def test_simulator_and_gateway_refuse_the_same_requests() -> None:
             sched.add(r)
             pool.begin(pool.instances[0], r.request_id, r.deadline_s, r.num_tokens)
         sim_admits = ShedQueue().admit(new, sched, now)
-        decision = pool.admit(deadline_s=new.deadline_s, num_tokens=tokens, sheddable=True)
+        decision = pool.admit(Placement("new", new.deadline_s, tokens), sheddable=True)
         assert sim_admits is not isinstance(decision, Refuse), (slo_s, tokens)

@@ -1,20 +1,47 @@
-"""Tokenization in the gateway: prompts and chat messages to token ids (prefill and decode
-get ids, so both see exactly the same prompt), a first token id back to text, and what
-``/tokenize`` and ``/detokenize`` answer.
+"""Tokenization in the gateway, one path for every endpoint: prompts and chats to token ids
+(prefill and decode get ids, so both see exactly the same prompt), a first token id back
+to text, and vLLM's ``/tokenize`` and ``/detokenize``.
+
+:func:`prompt_token_ids` is the only place a request body becomes token ids: completions
+and chat completions (stage 1, :func:`flowprefill.gateway.classify.intake`) and
+``/tokenize`` call it, so ``/tokenize`` answers exactly the ids those endpoints send to
+prefill for the same prompt or chat (``tools`` included; chat completions refuse tools
+before tokenizing, :meth:`~flowprefill.gateway.openai_api.ChatCompletionRequest.refusals`),
+and a chat template sent in the request is refused by both with the same 400.
 
 A chat is rendered with the model's chat template to text, then that text is encoded
 without the tokenizer's own special tokens (the template writes them): what
 transformers' ``apply_chat_template(tokenize=True)`` and vLLM's renderer both do.
+
+``/tokenize`` takes ``{"model", "prompt"}`` (a completion: ``add_special_tokens`` defaults
+to true) or ``{"model", "messages"}`` (a chat, rendered with the model's template:
+``add_generation_prompt`` true, ``continue_final_message`` and ``add_special_tokens``
+false by default) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``
+(``token_strs`` null unless ``return_token_strs``). ``/detokenize`` takes
+``{"model", "tokens"}`` and answers ``{"prompt"}`` (special tokens kept, as vLLM).
+``model`` is optional, as in vLLM; a wrong one is a 404. Clients use them to count tokens
+against ``max_model_len``; ``vllm bench serve`` uses them to align its random prompts to
+the server's tokenizer before a run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+from fastapi.exceptions import RequestValidationError
 from jinja2 import TemplateError
+from pydantic import BaseModel, ValidationError
 
 from flowprefill.gateway.errors import ClientError
+from flowprefill.gateway.openai_api import (
+    ChatPrompt,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    check_model,
+)
 
 # apply_chat_template's own parameters: a request's chat_template_kwargs may not set them
 # (vLLM lets the request's flags win in the same way).
@@ -133,3 +160,76 @@ def _plain_backend(hf_tokenizer: Any) -> Any:
         and not getattr(backend, "encode_special_tokens", False)
     )
     return backend if plain else None
+
+
+def prompt_token_ids(
+    body: CompletionRequest | ChatPrompt | TokenizeCompletionRequest, tokenizer: Tokenizer
+) -> list[int]:
+    """The token ids prefill is sent for ``body`` (and ``/tokenize`` answers): a chat
+    rendered with the model's template, a text prompt encoded, a prompt of ids checked
+    against the vocabulary. Raises :class:`ClientError` (400)."""
+    if isinstance(body, ChatPrompt):
+        refusal = body.template_refusal()
+        if refusal is not None:
+            raise refusal
+        return tokenizer.encode_chat(
+            [m.for_template() for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            add_special_tokens=body.add_special_tokens,
+            tools=body.tools,
+            template_kwargs=body.chat_template_kwargs,
+        )
+    if isinstance(body.prompt, str):
+        return tokenizer.encode_prompt(body.prompt, add_special_tokens=body.add_special_tokens)
+    token_ids = list(body.prompt)
+    tokenizer.check_token_ids(token_ids, "prompt")
+    return token_ids
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse(model: type[M], raw: dict[str, Any]) -> M:
+    """The body as ``model``; a body that does not fit is answered as FastAPI answers one
+    (400 naming the field)."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+def parse_tokenize(raw: dict[str, Any]) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A chat when the body has ``messages``, a completion when it has ``prompt``."""
+    if "messages" in raw and "prompt" in raw:
+        raise ClientError(400, "give either prompt or messages, not both", param="messages")
+    if "messages" in raw:
+        return _parse(TokenizeChatRequest, raw)
+    if "prompt" not in raw:
+        raise ClientError(400, "prompt or messages is required", param="prompt")
+    return _parse(TokenizeCompletionRequest, raw)
+
+
+def tokenize(
+    body: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer, model_name: str
+) -> dict[str, Any]:
+    """vLLM's ``TokenizeResponse``. Raises :class:`ClientError`."""
+    check_model(body.model, model_name, required=False)
+    ids = prompt_token_ids(body, tokenizer)
+    return {
+        "count": len(ids),
+        "max_model_len": tokenizer.max_model_len,
+        "tokens": ids,
+        "token_strs": tokenizer.token_strs(ids) if body.return_token_strs else None,
+    }
+
+
+def parse_detokenize(raw: dict[str, Any]) -> DetokenizeRequest:
+    return _parse(DetokenizeRequest, raw)
+
+
+def detokenize(body: DetokenizeRequest, tokenizer: Tokenizer, model_name: str) -> dict[str, Any]:
+    """vLLM's ``DetokenizeResponse``. Raises :class:`ClientError`."""
+    check_model(body.model, model_name, required=False)
+    tokenizer.check_token_ids(body.tokens, "tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}
