@@ -1,7 +1,7 @@
 """Gateway-side decisions the simulator can try: admission (shedding) and routing.
 
-Both read an instance's scheduler queues and the scheduler's own ``predict_s``; neither
-changes how an instance schedules. All are named, so an experiment is a config change.
+Neither changes how an instance schedules. All are named, so an experiment is a config
+change.
 
 Admission (per instance, at arrival, before the request joins ``Q_w``):
 
@@ -21,20 +21,16 @@ the instance the router chose (:data:`SIM_PRIORITIES`: the paper's task types wi
 ``file`` sheddable, unless a run says otherwise). Built without priorities, every class
 is sheddable (the earlier experiment).
 
-Routing (across ``--instances`` prefill instances), by the gateway's names and rules
-(:class:`flowprefill.gateway.routing.InstancePool`):
+Admission reads an instance's scheduler queues and the scheduler's own ``predict_s``.
 
-* ``round-robin`` — the baseline.
-* ``least-loaded`` — the instance with the fewest requests in flight.
-* ``slack-aware`` — the instance where the new request's predicted slack is largest:
-  ``deadline − now − predict_s(tokens due no later than it + its own)``, counting every
-  runnable entry due no later than it, late or not, as the gateway does. Ties (the
-  request would run first on either instance) go to the instance with less outstanding
-  work; the gateway rotates among ties instead, which loses 12–14 % goodput here
-  (docs/simulator.md, "Beyond the paper").
-
-The simulator sees the instances' queues where the gateway tracks what it sent, so a
-running task counts only its remaining tokens here.
+Routing (across ``--instances`` prefill instances) is the gateway's own code
+(:func:`flowprefill.gateway.routing.route`, by the gateway's names: ``round-robin``,
+``least-loaded``, ``slack-aware``; ties rotate) choosing from the same kind of in-flight
+book the gateway keeps (:class:`flowprefill.gateway.routing.Instance`), kept as the gateway
+keeps it: a request is booked, whole, on the instance it is sent to and leaves the book
+with its first token (or when shed). The router never reads an instance's queues, so a
+simulated router result measures the serving router. Its predictor is the instances'
+(``scheduler.predict_s``), as the gateway's is the engines' TTFT profile.
 """
 
 from __future__ import annotations
@@ -46,6 +42,7 @@ from typing import Protocol
 
 from flowprefill.contracts import names
 from flowprefill.contracts.slo import PAPER_PRIORITIES
+from flowprefill.gateway import routing
 from flowprefill.gateway.admission import (
     Estimate,
     Refuse,
@@ -68,10 +65,6 @@ def _remaining_tokens(item: Request | Task) -> float:
     return item.num_tokens * max(0.0, 1.0 - item.progress)
 
 
-def _num_requests(item: Request | Task) -> int:
-    return 1 if isinstance(item, Request) else len(item.requests)
-
-
 def tokens_ahead(scheduler: Scheduler, request: Request, now_s: float, *, skip_late: bool) -> float:
     """Remaining tokens of runnable entries due no later than ``request``; with
     ``skip_late``, not those already late (S-EDF sinks them below every feasible one)."""
@@ -88,18 +81,6 @@ def tokens_ahead(scheduler: Scheduler, request: Request, now_s: float, *, skip_l
 
 def outstanding_tokens(scheduler: Scheduler) -> float:
     return sum(_remaining_tokens(item) for item in scheduler.runnable())
-
-
-def num_in_flight(scheduler: Scheduler) -> int:
-    return sum(_num_requests(item) for item in scheduler.runnable())
-
-
-def queue_aware_slack_s(
-    scheduler: Scheduler, request: Request, now_s: float, *, skip_late: bool
-) -> float:
-    """``request``'s predicted slack behind the work :func:`tokens_ahead` counts."""
-    ahead = tokens_ahead(scheduler, request, now_s, skip_late=skip_late)
-    return request.deadline_s - now_s - scheduler.predict_s(round(ahead) + request.num_tokens)
 
 
 SIM_PRIORITIES: dict[str, int] = {**PAPER_PRIORITIES, "file": -10}
@@ -186,45 +167,68 @@ class Router(Protocol):
         ...
 
 
-class RoundRobin:
-    name = names.Router.ROUND_ROBIN
+class GatewayRouter:
+    """The gateway's routing policy ``name`` (:func:`~flowprefill.gateway.routing.route`)
+    over simulated instances, with a gateway in-flight book per instance: ``request`` is
+    booked on the instance chosen for it and leaves the book once it has ended (its first
+    token: the gateway's prefill answer; or shed)."""
+
+    name: names.Router
 
     def __init__(self) -> None:
-        self._next = itertools.count()
+        self._turns = itertools.count()
+        self._books: dict[int, tuple[InstanceView, routing.Instance]] = {}
+        """id(simulated instance) -> (it, its book); the instance is held so the id stays its."""
+        self._sent: dict[str, tuple[Request, routing.Instance]] = {}
+
+    def book(self, instance: InstanceView) -> routing.Instance:
+        """``instance``'s in-flight book, as the gateway's pool keeps it."""
+        key = id(instance)
+        if key not in self._books:
+            self._books[key] = (instance, routing.Instance(f"sim-{len(self._books)}"))
+        return self._books[key][1]
+
+    def _settle(self) -> None:
+        """Take the requests that have ended out of their books."""
+        for rid, (request, inst) in list(self._sent.items()):
+            if request.is_terminal:
+                inst.in_flight.pop(rid, None)
+                del self._sent[rid]
 
     def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
-        return next(self._next) % len(instances)
+        self._settle()
+        books = [self.book(x) for x in instances]
+        chosen = routing.route(
+            self.name,
+            books,
+            next(self._turns),
+            deadline_s=request.deadline_s,
+            num_tokens=request.num_tokens,
+            now_s=now_s,
+            predict_s=instances[0].scheduler.predict_s,
+        )
+        chosen.in_flight[request.request_id] = (request.deadline_s, request.num_tokens)
+        self._sent[request.request_id] = (request, chosen)
+        return books.index(chosen)
 
 
-class LeastLoaded:
+class RoundRobin(GatewayRouter):
+    name = names.Router.ROUND_ROBIN
+
+
+class LeastLoaded(GatewayRouter):
     name = names.Router.LEAST_LOADED
 
-    def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
-        loads = [num_in_flight(x.scheduler) for x in instances]
-        return loads.index(min(loads))
 
-
-class SlackRouter:
+class SlackRouter(GatewayRouter):
     name = names.Router.SLACK_AWARE
 
-    def choose(self, request: Request, instances: Sequence[InstanceView], now_s: float) -> int:
-        # Ties (e.g. the request would preempt whatever runs on either instance) go to the
-        # instance with less outstanding work: it has less to block on and to catch up.
-        keys = [
-            (
-                queue_aware_slack_s(x.scheduler, request, now_s, skip_late=False),
-                -outstanding_tokens(x.scheduler),
-            )
-            for x in instances
-        ]
-        return keys.index(max(keys))
 
-
-ROUTERS: dict[names.Router, type[Router]] = {
+ROUTERS: dict[names.Router, type[GatewayRouter]] = {
     r.name: r for r in (SlackRouter, RoundRobin, LeastLoaded)
 }
 
 
-def get_router(name: str | names.Router) -> Router:
+def get_router(name: str | names.Router) -> GatewayRouter:
     """Build a router by name, parsed by :meth:`names.Router.parse`."""
     return ROUTERS[names.Router.parse(name)]()
