@@ -4,7 +4,7 @@ Both sides run the same :func:`~flowprefill.prefill.scheduler.round.run_round` o
 configured the same way, and the test checks they issue the same commands in the same
 order:
 
-* the engine side is a :class:`PrefillEngine`'s scheduler and loop settings, driving the
+* the engine side is a :class:`PrefillEngine`'s scheduler, driving the
   real :class:`ExecutionPool` (task threads, TaskControl's signal/ACK/park protocol,
   checkpoint-counted progress) on a :class:`VirtualDevice`: task threads run their
   checkpointed blocks of work in lock-step with virtual time, so every round happens at
@@ -12,7 +12,7 @@ order:
 * the simulator side is ``build_instance`` + ``Simulation`` with a cost model that gives
   each task the same blocks (one "operator" per block, a checkpoint after each).
 
-Anything that makes one side decide differently — another default (live progress), a
+Anything that makes one side decide differently — another setting (live progress), a
 different event handling, another preempt model — shows up as a different sequence.
 """
 
@@ -230,7 +230,7 @@ def run_engine(requests: list[Request]) -> Trace:
 
 
 class _NoBackend:
-    """The engine object only lends its scheduler and loop settings here."""
+    """The engine object only lends its scheduler here."""
 
     max_prompt_tokens = 1 << 20
 
@@ -270,7 +270,8 @@ def test_engine_and_simulator_issue_the_same_commands_round_for_round() -> None:
 
 
 def test_the_comparison_sees_a_simulator_that_drifted() -> None:
-    """Without live progress (the simulator's old default) the decisions differ."""
+    """Without live progress (the simulator's model of an earlier engine) the decisions
+    differ."""
     engine = run_engine(WORKLOAD.requests(RATE))
     drifted = run_simulator(WORKLOAD.requests(RATE), live_progress=False)
     assert engine.steps != drifted.steps
