@@ -412,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         ],
     )
-    (tmp / "slo.json").write_text(table.model_dump_json())
+    # Only the fields this run sets, so a --baseline revision reads the files too (its
+    # contract models forbid fields they do not know).
+    (tmp / "slo.json").write_text(table.model_dump_json(exclude_defaults=True))
     ep = Endpoint.at("s", "127.0.0.1", stub_port)
     config = GatewayConfig(
         service="bench",
@@ -421,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill=[ep],
         decode=[ep],
     )
-    (tmp / "gw.json").write_text(config.model_dump_json())
+    (tmp / "gw.json").write_text(config.model_dump_json(exclude_defaults=True))
     stub_proc = mp.get_context("spawn").Process(target=serve_stub, args=(stub_port,), daemon=True)
     stub_proc.start()
     for i, v in enumerate(variants):

@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--growth-mb", type=float, default=10.0, help="RSS change that counts")
     ap.add_argument("--growth-fds", type=float, default=5.0, help="fd change that counts")
     ap.add_argument("--allow-growth", action="store_true", help="growth does not fail the run")
-    ap.add_argument("--reference", default=str(REFERENCE), help="a stack_vs_vllm summary.json")
+    ap.add_argument("--reference", default=str(REFERENCE), help="a stack/vs_vllm.py summary.json")
     ap.add_argument("--model", help="default: the reference's")
     ap.add_argument("--length-scale", type=float, help="default: the reference's")
     ap.add_argument("--max-tokens", type=int, help="default: the reference's (1 with --decode 0)")
@@ -120,7 +120,7 @@ def load_reference(args: argparse.Namespace) -> dict[str, float]:
         slo_s = {str(c): float(s) for c, s in ref["slo_s"].items()}
         settings = ref["settings"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise SystemExit(f"--reference {path}: not a stack_vs_vllm summary.json ({e!r})") from e
+        raise SystemExit(f"--reference {path}: not a stack/vs_vllm.py summary.json ({e!r})") from e
     args.model = args.model or settings["model"]
     args.length_scale = args.length_scale or settings["length_scale"]
     # Without decode the gateway answers the first token only (503 for more).
