@@ -39,9 +39,8 @@ from rich.table import Table
 
 from flowprefill.contracts import EngineConfig
 from flowprefill.prefill.executor.preemption import TaskControl, activate
-from flowprefill.prefill.factory import build_executor
+from flowprefill.prefill.factory import build_backend
 from flowprefill.prefill.tp.agreement import SharedTable
-from flowprefill.prefill.tp.backend import TPBackend
 from flowprefill.prefill.tp.ranks import free_port
 
 
@@ -100,7 +99,7 @@ class Variant:
             granularity=granularity,
             num_threads=max(1, threads // tp),
         )
-        self.backend: Any = TPBackend(config) if tp > 1 else build_executor(config)
+        self.backend = build_backend(config)
         self.prefill_s: list[float] = []
         self.blocking_ms: list[float] = []
 
