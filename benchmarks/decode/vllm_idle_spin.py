@@ -16,6 +16,7 @@ import argparse
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,11 +25,16 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+# Run as a script: the repository root goes on the path so that ``benchmarks`` imports as a
+# package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.stack.common import free_port
+
 
 def serve_and_time(model: Path, run_dir: Path, cap: str, tokens: int, repeats: int) -> list[float]:
     from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV as IDLE_SPIN_ENV
     from flowprefill.stack.decode import decode_env, decode_spec
-    from tests.helpers import free_port
 
     port = free_port()
     env = {**os.environ, **decode_env(run_dir), IDLE_SPIN_ENV: "" if cap == "default" else cap}

@@ -47,6 +47,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+# Run as a script: the repository root goes on the path so that ``benchmarks`` imports as a
+# package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.stack.common import free_port
 from flowprefill.contracts.deployment import PREFILL_API_PATH
 from flowprefill.contracts.gateway import Endpoint, GatewayConfig
 from flowprefill.contracts.prefill_api import (
@@ -336,14 +341,6 @@ class Variant:
     wall_s: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=lambda: {"gateway": 0.0, "stub": 0.0})
     loadgen_cpu_s: float = 0.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pct(xs: list[float], q: float) -> float:
