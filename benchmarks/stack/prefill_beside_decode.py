@@ -1,10 +1,10 @@
 """What sharing a small CPU host with vLLM decode does to a prefill instance.
 
 Start a stack first (``flowprefill up --port 8000``: prefill on 8100, vLLM decode on
-8150), then::
+8200), then::
 
     python benchmarks/stack/prefill_beside_decode.py [--prefill-url http://127.0.0.1:8100]
-        [--decode-url http://127.0.0.1:8150] [--tokens 800] [--repeats 6] [--stop-worker]
+        [--decode-url http://127.0.0.1:8200] [--tokens 800] [--repeats 6] [--stop-worker]
 
 Three measurements, the first two straight against the prefill instance's ``/v1/prefill``:
 
@@ -38,21 +38,25 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from flowprefill.contracts.deployment import DECODE_PORT, PREFILL_API_PATH, PREFILL_PORT
+from flowprefill.contracts.prefill_api import PrefillRequest, PrefillResponse
+
 
 def prefill(client: httpx.Client, url: str, n: int, hand_off: bool) -> tuple[float, float]:
     """(wall ms, engine ms) of one prefill of ``n`` random tokens."""
     ids = [random.randrange(1, 30000) for _ in range(n)]
-    body = {
-        "request_id": f"bench-{time.time_ns()}",
-        "prompt_token_ids": ids,
-        "ttft_slo_s": 60.0,
-        "slo_class": "bench",
-        "hand_off_kv": hand_off,
-    }
+    body = PrefillRequest(
+        request_id=f"bench-{time.time_ns()}",
+        prompt_token_ids=ids,
+        ttft_slo_s=60.0,
+        slo_class="bench",
+        hand_off_kv=hand_off,
+    )
     t0 = time.perf_counter()
-    r = client.post(f"{url}/v1/prefill", json=body)
+    r = client.post(f"{url}{PREFILL_API_PATH}", json=body.model_dump())
     r.raise_for_status()
-    return (time.perf_counter() - t0) * 1e3, float(r.json()["ttft_s"]) * 1e3
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    return wall_ms, PrefillResponse.model_validate_json(r.content).ttft_s * 1e3
 
 
 def vllm_request(client: httpx.Client, url: str, model: str) -> None:
@@ -87,8 +91,8 @@ def paused(pids: list[int]) -> Iterator[None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--prefill-url", default="http://127.0.0.1:8100")
-    ap.add_argument("--decode-url", default="http://127.0.0.1:8150")
+    ap.add_argument("--prefill-url", default=f"http://127.0.0.1:{PREFILL_PORT}")
+    ap.add_argument("--decode-url", default=f"http://127.0.0.1:{DECODE_PORT}")
     ap.add_argument("--tokens", type=int, default=800)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--stop-worker", action="store_true", help="also pause vLLM's worker")
