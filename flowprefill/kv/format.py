@@ -42,7 +42,7 @@ LAYOUT_HND = "HND"  # [num_kv_heads, num_tokens, head_dim] per layer and per k /
 DTYPES: dict[DType, torch.dtype] = {d: getattr(torch, d.value) for d in DType}
 """The torch dtype of each :class:`~flowprefill.contracts.names.DType` (torch's own name
 for it): the one mapping from the contracts' dtype names to torch, for the KV format and
-for loading a model alike. Keyed by a ``StrEnum``, so the plain name looks it up too."""
+for loading a model alike."""
 DTYPE_NAMES = {dtype: name.value for name, dtype in DTYPES.items()}
 
 KVLayers = Sequence[tuple[torch.Tensor, torch.Tensor]]

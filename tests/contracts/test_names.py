@@ -50,3 +50,12 @@ def test_the_crd_admits_exactly_the_engines_names() -> None:
     assert set(get_args(servingpool.Policy)) == set(Policy.values())
     assert set(get_args(servingpool.Batching)) == set(Batching.values())
     assert set(get_args(servingpool.Granularity)) == set(Granularity.values())
+
+
+def test_each_dtype_names_a_torch_dtype_of_its_itemsize() -> None:
+    from flowprefill.contracts import DType
+    from flowprefill.kv.format import DTYPES
+
+    assert set(DTYPES) == set(DType)
+    for dtype in DType:
+        assert DTYPES[dtype].itemsize == dtype.itemsize
