@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import httpx
 from rich.console import Console
@@ -80,13 +80,19 @@ def vllm_workers() -> list[int]:
 
 @contextmanager
 def paused(pids: list[int]) -> Iterator[None]:
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+    """``pids`` stopped for the block; every one stopped is continued, whatever happens (a
+    process gone meanwhile is skipped)."""
+    stopped: list[int] = []
     try:
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
         yield
     finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+        for pid in stopped:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def main() -> None:
