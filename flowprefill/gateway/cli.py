@@ -28,32 +28,38 @@ def build_state(
     slo_table: str | Path,
     upstream_timeout_s: float = 600.0,
 ) -> GatewayState:
-    from transformers import AutoConfig, AutoTokenizer
-
+    """The gateway's state for ``config``: the model directory's tokenizer and config read
+    without transformers (:mod:`flowprefill.gateway.model_files`), the SLO table file, the
+    pools and upstream clients. Raises ValueError when neither ``max_model_len`` nor the
+    model's config.json gives the longest prompt."""
     from flowprefill.gateway.app import GatewayState
     from flowprefill.gateway.classify import SLOTableFile
+    from flowprefill.gateway.model_files import FileTokenizer, read_model_config
     from flowprefill.gateway.routing import InstancePool
     from flowprefill.gateway.tokens import Tokenizer
     from flowprefill.gateway.upstream import DecodeClient, PrefillClient, UpstreamHTTP
-    from flowprefill.models import resolve_model_path
     from flowprefill.prefill.predictor.model import TTFTPredictor
 
-    model_dir = resolve_model_path(config.tokenizer_path or config.model_name)
-    hf_tok = AutoTokenizer.from_pretrained(model_dir)
-    model_config = AutoConfig.from_pretrained(model_dir)
-    max_len = config.max_model_len or int(model_config.max_position_embeddings)
-    eos = model_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if hf_tok.eos_token_id is not None:
-        eos_ids.add(int(hf_tok.eos_token_id))
+    model_dir = _model_dir(config.tokenizer_path or config.model_name)
+    file_tok = FileTokenizer.from_dir(model_dir)
+    model_config = read_model_config(model_dir)
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    if max_len is None:
+        raise ValueError(
+            f"{model_dir}/config.json gives no max_position_embeddings: set max_model_len "
+            "in the gateway config"
+        )
+    eos_ids = set(model_config.eos_token_ids)
+    if file_tok.eos_token_id is not None:
+        eos_ids.add(file_tok.eos_token_id)
     # Ids the model embeds or the tokenizer knows: the larger, as vLLM checks prompts.
-    vocab_size = max(len(hf_tok), int(getattr(model_config, "vocab_size", 0) or 0))
+    vocab_size = max(len(file_tok), model_config.vocab_size or 0)
     predict = TTFTPredictor.load(config.predictor_path).predict_s if config.predictor_path else None
     client = UpstreamHTTP(upstream_timeout_s, connect_timeout_s=5.0)
     decode_urls = [e.url for e in config.decode]
     return GatewayState(
         model_name=config.model_name,
-        tokenizer=Tokenizer(hf_tok, max_len, eos_ids, vocab_size=vocab_size),
+        tokenizer=Tokenizer(file_tok, max_len, eos_ids, vocab_size=vocab_size),
         slo_file=SLOTableFile(slo_table),
         prefill_pool=InstancePool(
             "prefill",
@@ -70,6 +76,17 @@ def build_state(
         decode_client=DecodeClient(client, model=str(model_dir)) if decode_urls else None,
         health_probe=config.health_probe,
     )
+
+
+def _model_dir(path_or_name: str) -> Path:
+    """A local directory as it is (what the gateway image is given); a built-in model name
+    through :func:`flowprefill.models.resolve_model_path`, which builds the model on first
+    use and so needs torch."""
+    if Path(path_or_name).is_dir():
+        return Path(path_or_name)
+    from flowprefill.models import resolve_model_path
+
+    return resolve_model_path(path_or_name)
 
 
 def run(args: argparse.Namespace) -> int:

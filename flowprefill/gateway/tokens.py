@@ -13,6 +13,10 @@ A chat is rendered with the model's chat template to text, then that text is enc
 without the tokenizer's own special tokens (the template writes them): what
 transformers' ``apply_chat_template(tokenize=True)`` and vLLM's renderer both do.
 
+The gateway's tokenizer is a :class:`flowprefill.gateway.model_files.FileTokenizer` (the
+model directory read with ``tokenizers`` and jinja2: the gateway runs without transformers);
+:class:`Tokenizer` takes a transformers tokenizer as well (which gives the same ids).
+
 ``/tokenize`` takes ``{"model", "prompt"}`` (a completion: ``add_special_tokens`` defaults
 to true) or ``{"model", "messages"}`` (a chat, rendered with the model's template:
 ``add_generation_prompt`` true, ``continue_final_message`` and ``add_special_tokens``
@@ -66,7 +70,12 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 class Tokenizer:
-    """The few tokenizer operations the gateway needs (a transformers tokenizer fits).
+    """The few tokenizer operations the gateway needs, on a
+    :class:`~flowprefill.gateway.model_files.FileTokenizer` or a transformers tokenizer:
+    what it calls on either is ``tok(text, add_special_tokens=...)["input_ids"]``,
+    ``apply_chat_template(..., tokenize=False)``, ``decode``, ``convert_ids_to_tokens``,
+    ``len()``, and for a fast one ``is_fast`` and ``backend_tokenizer`` (the
+    ``tokenizers.Tokenizer``, which encoding calls directly when that gives the same ids).
 
     ``vocab_size``: ids ``0 .. vocab_size - 1`` are accepted in prompts; by default the
     tokenizer's length (the gateway passes the larger of that and the model's vocabulary,
@@ -146,7 +155,7 @@ class Tokenizer:
 
 
 def _plain_backend(hf_tokenizer: Any) -> Any:
-    """The Rust tokenizer under a transformers fast tokenizer, when calling it directly
+    """The Rust tokenizer under a fast tokenizer, when calling it directly
     gives what ``hf_tokenizer(text)`` gives: no truncation, padding or special-token
     splitting configured (a call through the wrapper first resets those to its defaults,
     as every call through it does). None otherwise."""
