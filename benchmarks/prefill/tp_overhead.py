@@ -38,7 +38,8 @@ from rich.progress import track
 from rich.table import Table
 
 from flowprefill.contracts import EngineConfig
-from flowprefill.prefill.executor.preemption import TaskControl, activate
+from flowprefill.prefill.executor.context import activate
+from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.factory import build_backend
 from flowprefill.prefill.tp.agreement import SharedTable
 from flowprefill.prefill.tp.ranks import free_port

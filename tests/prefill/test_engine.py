@@ -15,7 +15,8 @@ import pytest
 
 from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
 from flowprefill.prefill.engine import PrefillEngine
-from flowprefill.prefill.executor.preemption import TaskControl, checkpoint
+from flowprefill.prefill.executor.context import checkpoint
+from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.scheduler.core import SchedulerOutput
 

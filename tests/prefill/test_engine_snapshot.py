@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from flowprefill.prefill.engine import EngineSnapshot, PrefillEngine, take_snapshot
-from flowprefill.prefill.executor.preemption import TaskControl, checkpoint
+from flowprefill.prefill.executor.context import checkpoint
+from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.request import Request, Task
 from flowprefill.prefill.scheduler.batching import get_batching
 from flowprefill.prefill.scheduler.core import Scheduler

@@ -1,7 +1,7 @@
 """Install preemption checkpoints on a Hugging Face causal LM without editing model code.
 
 A checkpoint is a PyTorch module hook that calls ``on_boundary`` (by default
-:func:`flowprefill.prefill.executor.preemption.checkpoint`). Hooks are installed once per model and
+:func:`flowprefill.prefill.executor.context.checkpoint`). Hooks are installed once per model and
 serve every task thread: the checkpoint finds its task through a thread-local, so a thread
 with no active task pays one attribute lookup per boundary.
 
@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from flowprefill.contracts.names import Granularity
 from flowprefill.errors import FlowPrefillError
-from flowprefill.prefill.executor.preemption import checkpoint
+from flowprefill.prefill.executor.context import checkpoint
 
 _INSTALLED_ATTR = "_flowprefill_checkpoints"
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from flowprefill.prefill.executor.packer import Packer
     from flowprefill.prefill.executor.packing import Segment
     from flowprefill.prefill.executor.preemption import TaskControl
-    from flowprefill.prefill.executor.splitting import Packer
 
 
 class ThreadContext(threading.local):
@@ -76,3 +76,16 @@ class ThreadContext(threading.local):
 
 
 thread_context = ThreadContext()
+
+
+def activate(control: TaskControl | None) -> AbstractContextManager[None]:
+    """Make ``control`` the target of :func:`checkpoint` calls on this thread (with no
+    per-checkpoint sync: the executor's run binds its own)."""
+    return thread_context.task(control)
+
+
+def checkpoint() -> None:
+    """A preemption boundary; a no-op when no task is active on this thread."""
+    control = thread_context.control
+    if control is not None:
+        control.check()

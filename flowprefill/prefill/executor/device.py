@@ -40,8 +40,7 @@ from typing import Literal, Protocol
 import torch
 
 from flowprefill.errors import UnknownNameError
-from flowprefill.prefill.executor.context import thread_context
-from flowprefill.prefill.executor.preemption import checkpoint
+from flowprefill.prefill.executor.context import checkpoint, thread_context
 
 SyncMode = Literal["every_check", "on_preempt"]
 SYNC_MODES: tuple[str, ...] = ("every_check", "on_preempt")

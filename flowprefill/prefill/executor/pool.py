@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from flowprefill.errors import TaskCancelledError, UnknownTaskError
-from flowprefill.prefill.executor.preemption import SyncFn, TaskControl, activate
+from flowprefill.prefill.executor.context import activate
+from flowprefill.prefill.executor.preemption import SyncFn, TaskControl
 from flowprefill.prefill.request import Task
 from flowprefill.prefill.scheduler.round import PreemptOutcome
 

@@ -3,11 +3,12 @@
 One :class:`TaskControl` belongs to one execution task. The scheduler thread calls
 :meth:`TaskControl.request_preempt` — it raises the signal and blocks until the task
 acknowledges at its next checkpoint (or finishes first). The task's own thread calls
-:func:`checkpoint` at every preemption boundary; when the signal is up it clears it,
-makes sure the device has finished the work issued so far, acknowledges, and parks until
-:meth:`TaskControl.resume`. Because the task parks *inside* its forward pass, every local
-variable, activation and KV tensor of the task stays exactly as it was: resuming continues
-the same Python frame, so the result is bit-identical to an uninterrupted run.
+:func:`~flowprefill.prefill.executor.context.checkpoint` at every preemption boundary; when
+the signal is up it clears it, makes sure the device has finished the work issued so far,
+acknowledges, and parks until :meth:`TaskControl.resume`. Because the task parks *inside*
+its forward pass, every local variable, activation and KV tensor of the task stays exactly
+as it was: resuming continues the same Python frame, so the result is bit-identical to an
+uninterrupted run.
 
 The hot path — a checkpoint with no signal — is one thread-local read, one attribute read
 and one integer increment; the lock is only taken when a signal is actually up.
@@ -23,11 +24,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Protocol
 
 from flowprefill.errors import TaskCancelledError
-from flowprefill.prefill.executor.context import thread_context
 
 SyncFn = Callable[[], None]
 
@@ -181,16 +180,3 @@ class TaskControl:
     @property
     def done(self) -> bool:
         return self._done
-
-
-def activate(control: TaskControl | None) -> AbstractContextManager[None]:
-    """Make ``control`` the target of :func:`checkpoint` calls on this thread (with no
-    per-checkpoint sync: the executor's run binds its own)."""
-    return thread_context.task(control)
-
-
-def checkpoint() -> None:
-    """A preemption boundary; a no-op when no task is active on this thread."""
-    control = thread_context.control
-    if control is not None:
-        control.check()

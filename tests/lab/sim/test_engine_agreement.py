@@ -30,8 +30,9 @@ from flowprefill.lab.sim.driver import Simulation
 from flowprefill.lab.sim.profile import split_evenly
 from flowprefill.lab.sim.systems import build_instance, get_system
 from flowprefill.prefill.engine import PrefillEngine
+from flowprefill.prefill.executor.context import checkpoint
 from flowprefill.prefill.executor.pool import ExecutionPool
-from flowprefill.prefill.executor.preemption import TaskControl, checkpoint
+from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.request import Request, Task
 from flowprefill.prefill.scheduler.core import CommandKind, Scheduler, SchedulerOutput

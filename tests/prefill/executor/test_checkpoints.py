@@ -17,7 +17,8 @@ from flowprefill.prefill.executor.checkpoints import (
     install_checkpoints,
     plan_checkpoints,
 )
-from flowprefill.prefill.executor.preemption import TaskControl, activate
+from flowprefill.prefill.executor.context import activate
+from flowprefill.prefill.executor.preemption import TaskControl
 
 # Per decoder layer at operator granularity: qkv, attn, o_proj, gate_up|router,
 # down_proj|experts. The tiny models have 2 layers.

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from flowprefill.prefill.executor.context import ThreadContext, thread_context
+from flowprefill.prefill.executor.context import ThreadContext, activate, checkpoint, thread_context
 from flowprefill.prefill.executor.packing import Segment
-from flowprefill.prefill.executor.preemption import TaskControl, activate, checkpoint
+from flowprefill.prefill.executor.preemption import TaskControl
 
 
 def _seen_from_another_thread() -> tuple[object, ...]:

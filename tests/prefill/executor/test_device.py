@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from flowprefill.errors import UnknownNameError
+from flowprefill.prefill.executor.context import checkpoint
 from flowprefill.prefill.executor.device import (
     CpuStreams,
     CudaStreams,
@@ -23,7 +24,7 @@ from flowprefill.prefill.executor.device import (
     streams_for,
     synchronizing_checkpoint,
 )
-from flowprefill.prefill.executor.preemption import TaskControl, checkpoint
+from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from tests.prefill.executor.helpers import StopAt, TaskThread, assert_bit_identical, random_prompts
 

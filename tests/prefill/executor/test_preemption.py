@@ -8,7 +8,8 @@ import time
 import pytest
 
 from flowprefill.errors import TaskCancelledError
-from flowprefill.prefill.executor.preemption import TaskControl, activate, checkpoint
+from flowprefill.prefill.executor.context import activate, checkpoint
+from flowprefill.prefill.executor.preemption import TaskControl
 
 
 def run_steps(control: TaskControl, steps: int, log: list[int]) -> threading.Thread:

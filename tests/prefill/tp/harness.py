@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from flowprefill.prefill.executor.preemption import TaskControl, activate
+from flowprefill.prefill.executor.context import activate
+from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PrefillOutput
 from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 
