@@ -195,8 +195,8 @@ class FileTokenizer:
             # say how each one matches.
             for key, value in _read_json(root / "special_tokens_map.json").items():
                 if isinstance(value, dict) and key != "extra_special_tokens":
-                    value = AddedToken(**{k: v for k, v in value.items() if k != "special"},
-                                       special=True)  # fmt: skip
+                    fields = {k: v for k, v in value.items() if k != "special"}
+                    value = AddedToken(**fields, special=True)
                 config[key] = value
             _rename_additional(config)
             by_content = {t.content: t for t in backend.get_added_tokens_decoder().values()}
