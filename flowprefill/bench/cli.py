@@ -209,5 +209,5 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
     }
     json_path, png_path = write(out, meta, rate_results, raw)
-    console.print(f"wrote {json_path} and {png_path}")
+    console.print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
     return 0

@@ -49,7 +49,7 @@ from flowprefill.contracts.deployment import (
     PREFILL_KV_PORT,
     PREFILL_PORT,
 )
-from flowprefill.contracts.engine import MAX_TP_SIZE, max_blocking_arg
+from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, MAX_TP_SIZE, max_blocking_arg
 from flowprefill.contracts.processes import (
     Launcher,
     gateway_process,
@@ -139,7 +139,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="batching policy (member-headroom: each member's own deadline; docs/simulator.md)",
     )
     p.add_argument(
-        "--batch-token-budget", type=int, default=4096, help="most tokens in one batched prefill"
+        "--batch-token-budget",
+        type=int,
+        default=DEFAULT_BATCH_TOKEN_BUDGET,
+        help="most tokens in one batched prefill",
     )
     p.add_argument(
         "--chunk-size", type=int, default=None, help="split prompts into chunks of this many tokens"

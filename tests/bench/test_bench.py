@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from flowprefill.bench.cli import _tbt_slos
 from flowprefill.bench.client import Outcome
-from flowprefill.bench.report import goodput, summarize
+from flowprefill.bench.report import goodput, summarize, write
 from flowprefill.cli import main
 from flowprefill.contracts.slo import PAPER_TBT_SLOS_S
 from flowprefill.models import named_model_dir
@@ -285,3 +286,17 @@ def test_bench_reports_tbt_attainment_per_class_from_streamed_token_times(
     sent = next(iter(report["requests"].values()))
     assert all(len(o["token_times_s"]) == 4 for o in sent)  # every token's arrival kept
     assert (tmp_path / "out" / "attainment.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("with_matplotlib", [True, False])
+def test_report_writes_the_plot_only_where_matplotlib_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_matplotlib: bool
+) -> None:
+    # matplotlib comes with the lab extra, not bench's: without it the JSON is still written.
+    if not with_matplotlib:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+    raw = {1.0: [_outcome([0.1, 0.15, 0.2])]}
+    json_path, png_path = write(tmp_path, {"url": "x"}, {1.0: summarize(raw[1.0])}, raw)
+    assert json.loads(json_path.read_text())["rates"]["1.0"]["all"]["requests"] == 1
+    assert (png_path is not None) == with_matplotlib
+    assert (tmp_path / "attainment.png").exists() == with_matplotlib

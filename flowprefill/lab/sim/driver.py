@@ -243,7 +243,7 @@ class Simulation:
                 self._expire(t_arr)
                 heapq.heappush(self._deadlines, (r.deadline_s, r.seq, r))
                 targets = self.routable(t_arr)
-                k = 0 if len(targets) == 1 else self.router.choose(r, targets, t_arr)
+                k = self.router.choose(r, targets, t_arr)
                 targets[k].post(t_arr, _ARRIVAL, r)
             elif inst is not None:
                 self._expire(wake_s)

@@ -110,8 +110,6 @@ def measure_current_thread(exclude: frozenset[tuple[str, int]]) -> Callable[[], 
     return lambda: thread_held_bytes(ident, exclude)
 
 
-_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
-
 ACTIVATION_HIDDEN_FACTOR = 6
 ACTIVATION_INTERMEDIATE_FACTOR = 3
 """Activations live at the widest checkpoint, per token, in multiples of the hidden and
@@ -140,7 +138,7 @@ class ParkedFootprint:
     ) -> ParkedFootprint:
         """From a Hugging Face config; ``tp_size`` ranks each hold their share of heads
         (bounded as if the shares were uneven by one head)."""
-        elem = _DTYPE_BYTES.get(dtype, 4)
+        elem = dtype.itemsize
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from flowprefill.contracts.engine import MAX_TP_SIZE
+from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, MAX_TP_SIZE
 from flowprefill.contracts.names import DType
 
 from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscaling, ReplicasOwner
@@ -41,7 +41,7 @@ def sets_tensor_parallel(arg: str) -> bool:
 Role = Literal["prefill", "decode"]
 Granularity = Literal["operator", "layer", "none"]
 Policy = Literal["s-edf", "d-edf", "edf", "fcfs"]
-Batching = Literal["slo-aware", "member-headroom", "member-aware", "headroom", "greedy", "none"]
+Batching = Literal["slo-aware", "member-headroom", "none"]
 
 
 class PVCSource(CRModel):
@@ -203,7 +203,10 @@ class EngineSettings(CRModel):
         default="operator", description="Preemption granularity: operator, layer or none."
     )
     batch_token_budget: int = Field(
-        default=4096, ge=1, le=1_048_576, description="Token budget of one prefill batch."
+        default=DEFAULT_BATCH_TOKEN_BUDGET,
+        ge=1,
+        le=1_048_576,
+        description="Token budget of one prefill batch.",
     )
     chunk_size: int | None = Field(
         default=None,
