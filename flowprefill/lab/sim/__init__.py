@@ -6,9 +6,10 @@ operator times, or on this engine's own profile.
 """
 
 from flowprefill.bench.workload import Workload, qwen_like, sharegpt_like
+from flowprefill.contracts.names import Granularity
 from flowprefill.lab.sim.cost import CostModel, GPUCostModel, build_cost_model
 from flowprefill.lab.sim.driver import Instance, SimResult, Simulation
-from flowprefill.lab.sim.plan import ExecutionPlan, Granularity
+from flowprefill.lab.sim.plan import ExecutionPlan
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.lab.sim.profile import ProfileCostModel
 from flowprefill.lab.sim.systems import SYSTEMS, SystemSpec, get_system, run_system

@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=TP_CHECK_S * 1e6,
         help="with --tp > 1: µs each preemption checkpoint adds (the ranks' agreement-table "
-        "check; measured 1.6 on CPU, benchmarks/tp_overhead.py)",
+        "check; measured 1.6 on CPU, benchmarks/prefill/tp_overhead.py)",
     )
     dev.add_argument(
         "--max-blocking-ms",

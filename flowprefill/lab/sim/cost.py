@@ -75,7 +75,7 @@ TP_CHECK_S = 2e-6
 """With TP > 1, what one preemption checkpoint adds to a task: each rank records its count
 and reads the target in a shared-memory table under one lock (flowprefill/prefill/tp/agreement.py;
 no collective). Measured 1.6 µs per checkpoint per rank on this CPU
-(``benchmarks/tp_overhead.py``, against 246 µs for a gloo all-reduce of a flag); a host-side
+(``benchmarks/prefill/tp_overhead.py``, against 246 µs for a gloo all-reduce of a flag); a host-side
 lock costs the same order next to a GPU, not measured there. ``--tp-check-us`` (0 = the
 paper's "negligible"; ~10-50 for an all-reduce of a flag at every checkpoint)."""
 

@@ -46,17 +46,24 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
+from typing import Final, TypeAlias
 
+from flowprefill.contracts.names import Granularity
 from flowprefill.errors import InvalidRequestError
 from flowprefill.lab.sim.cost import CostModel, PassCost, Segment
 
 
-class Granularity(StrEnum):
-    OPERATOR = "operator"
-    LAYER = "layer"
-    NONE = "none"
+class Oracle(Enum):
+    """Preemption no engine has: anywhere, at no cost (the oracle systems' bound)."""
+
     INSTANT = "instant"
+
+
+INSTANT: Final = Oracle.INSTANT
+Preemption: TypeAlias = Granularity | Oracle
+"""Where a simulated task can be preempted: at the checkpoints of an engine's
+:class:`~flowprefill.contracts.names.Granularity`, or anywhere (:data:`INSTANT`)."""
 
 
 def chunk_segments(lengths: Sequence[int], chunk_size: int | None) -> list[list[Segment]]:
@@ -83,9 +90,9 @@ def chunk_segments(lengths: Sequence[int], chunk_size: int | None) -> list[list[
     return passes
 
 
-def with_checkpoints(cost: PassCost, granularity: Granularity, check_s: float) -> PassCost:
+def with_checkpoints(cost: PassCost, granularity: Preemption, check_s: float) -> PassCost:
     """``cost`` with ``check_s`` added after every checkpoint ``granularity`` places in it."""
-    if check_s <= 0 or granularity in (Granularity.NONE, Granularity.INSTANT):
+    if check_s <= 0 or granularity in (Granularity.NONE, INSTANT):
         return cost
     if granularity is Granularity.OPERATOR:
         op_s = tuple(op + check_s for op in cost.op_s)
@@ -106,7 +113,7 @@ class ExecutionPlan:
     passes: tuple[PassCost, ...]
     starts_s: tuple[float, ...]
     total_s: float
-    granularity: Granularity
+    granularity: Preemption
     op_ends_s: tuple[tuple[float, ...], ...]
     """Per pass: where each stretch of ``op_s`` ends within a layer (running sums)."""
 
@@ -116,7 +123,7 @@ class ExecutionPlan:
         cost: CostModel,
         lengths: Sequence[int],
         *,
-        granularity: Granularity,
+        granularity: Preemption,
         chunk_size: int | None = None,
         max_blocking_s: float | None = None,
     ) -> ExecutionPlan:
@@ -149,7 +156,7 @@ class ExecutionPlan:
     def next_checkpoint_s(self, elapsed_s: float) -> float | None:
         """First checkpoint at or after ``elapsed_s``; None if the task ends first."""
         g = self.granularity
-        if g is Granularity.INSTANT:
+        if g is INSTANT:
             return min(elapsed_s, self.total_s)
         k = max(0, bisect.bisect_right(self.starts_s, elapsed_s) - 1)
         start = self.starts_s[k]

@@ -14,9 +14,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from flowprefill.contracts.names import Granularity
 from flowprefill.errors import UnknownTaskError
 from flowprefill.lab.sim.cost import CostModel
-from flowprefill.lab.sim.plan import ExecutionPlan, Granularity
+from flowprefill.lab.sim.plan import INSTANT, ExecutionPlan, Preemption
 from flowprefill.prefill.request import Task
 from flowprefill.prefill.scheduler.round import PreemptOutcome
 
@@ -27,7 +28,7 @@ _EPS_S = 1e-12
 def last_checkpoint_s(plan: ExecutionPlan, elapsed_s: float) -> float:
     """The last checkpoint at or before ``elapsed_s`` (0.0 when none has been reached)."""
     g = plan.granularity
-    if g is Granularity.INSTANT or elapsed_s >= plan.total_s - _EPS_S:
+    if g is INSTANT or elapsed_s >= plan.total_s - _EPS_S:
         return elapsed_s
     k = max(0, bisect.bisect_right(plan.starts_s, elapsed_s + _EPS_S) - 1)
     start = plan.starts_s[k]  # a chunk boundary (a checkpoint) when k > 0
@@ -67,7 +68,7 @@ class SimulatedPool:
     """
 
     cost: CostModel
-    granularity: Granularity
+    granularity: Preemption
     chunk_size: int | None = None
     max_blocking_s: float | None = None
     """Run-time operator splitting bound (operator granularity only); None: never split."""

@@ -18,10 +18,10 @@ from typing import Any
 from tqdm import tqdm
 
 from flowprefill.bench.workload import Workload
+from flowprefill.contracts.names import Granularity
 from flowprefill.errors import FlowPrefillError, InvalidRequestError
 from flowprefill.lab.sim.config import SweepConfig
 from flowprefill.lab.sim.cost import CostModel
-from flowprefill.lab.sim.plan import Granularity
 from flowprefill.lab.sim.search import highest_passing, lowest_passing
 from flowprefill.lab.sim.systems import SystemSpec, get_system, run_system
 from flowprefill.prefill.predictor.model import TTFTPredictor

@@ -21,24 +21,20 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from flowprefill.bench.workload import Workload
+from flowprefill.contracts.names import Granularity
 from flowprefill.errors import UnknownNameError
 from flowprefill.lab.sim.batching import get_batching
 from flowprefill.lab.sim.cost import CostModel
 from flowprefill.lab.sim.driver import LIVE_PROGRESS, Instance, SimResult, Simulation
 from flowprefill.lab.sim.gateway import SIM_PRIORITIES, get_admission, get_router
-from flowprefill.lab.sim.plan import Granularity
+from flowprefill.lab.sim.plan import INSTANT, Preemption
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.scheduler.core import Scheduler
 from flowprefill.prefill.scheduler.memory import ParkedBytesFn, ParkedMemory
 from flowprefill.prefill.scheduler.policies import get_policy
 
-OP, LAYER, NONE, INSTANT = (
-    Granularity.OPERATOR,
-    Granularity.LAYER,
-    Granularity.NONE,
-    Granularity.INSTANT,
-)
+OP, LAYER, NONE = Granularity.OPERATOR, Granularity.LAYER, Granularity.NONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +44,7 @@ class SystemSpec:
     policy: str
     batching: str
     token_budget: int
-    granularity: Granularity
+    granularity: Preemption
     chunk_size: int | None = None
     admission: str = "none"
     group: str = "paper"
@@ -98,7 +94,7 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in _ALL}
 PAPER_SYSTEMS = [s.name for s in _ALL if s.group == "paper"]
 DEFAULT_SYSTEMS = [s.name for s in _ALL if s.group != "beyond" or s.name == "fp-plus"]
 """Paper systems, ablations, and the beyond-the-paper policy that measurably helps
-(benchmarks/sim_beyond.py measures the others)."""
+(benchmarks/sim/beyond.py measures the others)."""
 
 
 def get_system(name: str) -> SystemSpec:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from flowprefill.contracts.names import Granularity
 from flowprefill.lab.sim.batching import GreedyBatching
 from flowprefill.lab.sim.driver import Instance, Simulation
-from flowprefill.lab.sim.plan import Granularity
+from flowprefill.lab.sim.plan import INSTANT, Preemption
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.prefill.request import RequestState
 from flowprefill.prefill.scheduler.batching import NoBatching
@@ -21,7 +22,7 @@ from .conftest import PREDICTOR, ToyCost, req
 
 
 def instance(
-    granularity: Granularity,
+    granularity: Preemption,
     *,
     policy: str = "s-edf",
     cost: ToyCost | None = None,
@@ -38,7 +39,7 @@ def instance(
     return Instance(sched, SimulatedPool(cost or ToyCost(), granularity, chunk_size))
 
 
-def figure8(granularity: Granularity) -> tuple[Instance, dict[str, float | None]]:
+def figure8(granularity: Preemption) -> tuple[Instance, dict[str, float | None]]:
     """Paper Figure 8: long low-priority A, then urgent short B arrives at 0.25 s."""
     a = req("A", 0.0, 1000, 10.0)
     b = req("B", 0.25, 100, 0.5)
@@ -82,7 +83,7 @@ def test_figure8_without_checkpoints_the_preempt_waits_for_the_end() -> None:
 
 
 def test_figure8_oracle_preempts_instantly() -> None:
-    _, ttft = figure8(Granularity.INSTANT)
+    _, ttft = figure8(INSTANT)
     assert ttft["B"] == pytest.approx(0.1, abs=1e-12)
     assert ttft["A"] == pytest.approx(1.1, abs=1e-12)
 

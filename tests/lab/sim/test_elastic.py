@@ -10,11 +10,11 @@ from collections.abc import Sequence
 import pytest
 
 from flowprefill.autoscale.policy import PoolObservation, ScalerSettings
+from flowprefill.contracts.names import Granularity
 from flowprefill.lab.sim.autoscalers import Judge, Observed, SloScaler, Windows
 from flowprefill.lab.sim.driver import Instance
 from flowprefill.lab.sim.elastic import ElasticSimulation
 from flowprefill.lab.sim.gateway import InstanceView, RoundRobin
-from flowprefill.lab.sim.plan import Granularity
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.prefill.request import Request, RequestState
 from flowprefill.prefill.scheduler.batching import NoBatching

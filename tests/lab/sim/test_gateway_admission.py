@@ -3,11 +3,11 @@ same estimate on the same queues, and only for sheddable classes."""
 
 from __future__ import annotations
 
+from flowprefill.contracts.names import Granularity
 from flowprefill.gateway.admission import Refuse
 from flowprefill.gateway.routing import InstancePool, Placement
 from flowprefill.lab.sim.driver import Instance, Simulation
 from flowprefill.lab.sim.gateway import SIM_PRIORITIES, ShedQueue, get_admission
-from flowprefill.lab.sim.plan import Granularity
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.lab.sim.systems import build_instance, get_system
 from flowprefill.prefill.request import Request, RequestState

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from flowprefill.contracts.names import Router
+from flowprefill.contracts.names import Granularity, Router
 from flowprefill.gateway.routing import Instance, InstancePool
 from flowprefill.lab.sim.driver import Instance as SimInstance
 from flowprefill.lab.sim.driver import Simulation
 from flowprefill.lab.sim.gateway import ROUTERS, GatewayRouter, SlackRouter, get_router
-from flowprefill.lab.sim.plan import Granularity
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.prefill.request import Request, RequestState
 from flowprefill.prefill.scheduler.batching import get_batching

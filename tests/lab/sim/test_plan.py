@@ -2,15 +2,16 @@ from __future__ import annotations
 
 import pytest
 
+from flowprefill.contracts.names import Granularity
 from flowprefill.errors import InvalidRequestError
-from flowprefill.lab.sim.plan import ExecutionPlan, Granularity, chunk_segments
+from flowprefill.lab.sim.plan import INSTANT, ExecutionPlan, Preemption, chunk_segments
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.prefill.request import Request, Task
 
 from .conftest import ToyCost
 
 
-def plan(granularity: Granularity, n: int = 1000, chunk: int | None = None) -> ExecutionPlan:
+def plan(granularity: Preemption, n: int = 1000, chunk: int | None = None) -> ExecutionPlan:
     return ExecutionPlan.build(
         ToyCost(overhead_s=0.01), [n], granularity=granularity, chunk_size=chunk
     )
@@ -55,7 +56,7 @@ def test_operator_checkpoints_inside_chunks() -> None:
 
 
 def test_instant_is_anywhere_and_progress_is_time_fraction() -> None:
-    p = plan(Granularity.INSTANT)
+    p = plan(INSTANT)
     assert p.next_checkpoint_s(0.123) == 0.123
     assert p.progress(0.505) == pytest.approx(0.5)
 
@@ -64,7 +65,7 @@ def test_tp_rank_agreement_is_paid_at_every_checkpoint_of_the_granularity() -> N
     """Pre 0.01 s, 2 layers × 5 segments of 0.1 s; each checkpoint adds 0.01 s."""
     cost = ToyCost(overhead_s=0.01, checkpoint_s=0.01)
 
-    def tp_plan(g: Granularity, chunk: int | None = None) -> ExecutionPlan:
+    def tp_plan(g: Preemption, chunk: int | None = None) -> ExecutionPlan:
         return ExecutionPlan.build(cost, [1000], granularity=g, chunk_size=chunk)
 
     op = tp_plan(Granularity.OPERATOR)
@@ -77,7 +78,7 @@ def test_tp_rank_agreement_is_paid_at_every_checkpoint_of_the_granularity() -> N
     # No checkpoints inside a pass: nothing to agree on (chunk boundaries are passes).
     assert tp_plan(Granularity.NONE).total_s == pytest.approx(1.01)
     assert tp_plan(Granularity.NONE, chunk=500).total_s == pytest.approx(2 * 0.51)
-    assert tp_plan(Granularity.INSTANT).total_s == pytest.approx(1.01)
+    assert tp_plan(INSTANT).total_s == pytest.approx(1.01)
     # Inside chunks every pass's checkpoints pay: 2 passes × 10 checks.
     chunked = tp_plan(Granularity.OPERATOR, chunk=500)
     assert chunked.total_s == pytest.approx(2 * (0.01 + 0.5 + 10 * 0.01))

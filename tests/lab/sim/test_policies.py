@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from flowprefill.contracts.names import Granularity
 from flowprefill.errors import UnknownNameError
 from flowprefill.lab.sim.batching import SIM_BATCHING, get_batching
 from flowprefill.lab.sim.driver import Instance, Simulation
@@ -17,7 +18,6 @@ from flowprefill.lab.sim.gateway import (
     get_admission,
     get_router,
 )
-from flowprefill.lab.sim.plan import Granularity
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.lab.sim.systems import SYSTEMS, build_instance, get_system
 from flowprefill.prefill.request import RequestState

@@ -12,9 +12,10 @@ import pytest
 
 from flowprefill.bench.workload import Workload, get_slo_table
 from flowprefill.contracts.engine import DEFAULT_MAX_BLOCKING_MS, DEFAULT_MAX_BLOCKING_MS_CPU
+from flowprefill.contracts.names import Granularity
 from flowprefill.lab.sim import cli
 from flowprefill.lab.sim.cost import build_cost_model
-from flowprefill.lab.sim.plan import ExecutionPlan, Granularity
+from flowprefill.lab.sim.plan import INSTANT, ExecutionPlan
 from flowprefill.lab.sim.pool import SimulatedPool
 from flowprefill.lab.sim.profile import ProfileCostModel
 from flowprefill.lab.sim.split import GPU_PIECE_OVERHEAD_S, MIN_ROWS, tile_sizes
@@ -113,7 +114,7 @@ def test_short_prompts_plans_are_identical_with_and_without_splitting() -> None:
 def test_only_operator_granularity_splits() -> None:
     """The engine splits at operator granularity only: layer-level, chunked-baseline and
     oracle plans ignore the bound."""
-    for g in (Granularity.LAYER, Granularity.NONE, Granularity.INSTANT):
+    for g in (Granularity.LAYER, Granularity.NONE, INSTANT):
         for chunk in (None, 2048):
             plain = ExecutionPlan.build(A100, [32768], granularity=g, chunk_size=chunk)
             bounded = ExecutionPlan.build(
