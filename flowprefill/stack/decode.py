@@ -90,7 +90,7 @@ def shared_cores_env(threads: int) -> dict[str, str]:
     ends instead of spinning: libgomp's default spins for 300,000 iterations (milliseconds)
     after each region, and a decode step is many short regions with Python between them,
     so the spinning threads took a core from prefill for as long as anything decoded
-    (docs/stack.md, "Where the time went, and what changed")."""
+    (docs/stack.md, "What `up` does for a shared CPU host")."""
     return {
         "OMP_NUM_THREADS": str(threads),
         "OMP_WAIT_POLICY": "PASSIVE",
