@@ -1,6 +1,6 @@
 """Measured per-operator A100 times of Llama-3-8B (microsoft/vidur profile, MIT licence).
 
-The CSV (``flowprefill/data/vidur/``) has one row per ``(num_tokens, TP degree)`` with
+The CSV (``flowprefill/lab/sim/data/vidur/``) has one row per ``(num_tokens, TP degree)`` with
 statistics per operator in milliseconds. We take the **median** of each operator (rows
 repeated for the same key are averaged) and group vidur's operators into the five
 segments between FlowPrefill's checkpoints (paper §5.1):
@@ -123,7 +123,7 @@ class OperatorTable:
 
 
 def _csv_text() -> str:
-    return resources.files("flowprefill").joinpath("data", "vidur", CSV_NAME).read_text()
+    return resources.files("flowprefill.lab.sim").joinpath("data", "vidur", CSV_NAME).read_text()
 
 
 @cache

@@ -16,7 +16,9 @@ from flowprefill.prefill.predictor.model import TTFTPredictor
 def csv_median(op: str, n: int, tp: int = 1) -> float:
     from importlib import resources
 
-    text = resources.files("flowprefill").joinpath("data", "vidur", "a100_Meta-Llama-3-8B_mlp.csv")
+    text = resources.files("flowprefill.lab.sim").joinpath(
+        "data", "vidur", "a100_Meta-Llama-3-8B_mlp.csv"
+    )
     rows = [
         r
         for r in csv.DictReader(text.read_text().splitlines())
