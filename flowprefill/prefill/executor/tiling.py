@@ -120,11 +120,16 @@ def plan_tiles(
     whole = time_at(num_rows)
     if whole <= bound_s or num_rows < 2 * MIN_ROWS:
         return [num_rows]
-    fewest = max(2, math.ceil(whole / bound_s))
     best: tuple[float, list[int]] | None = None
 
     def fits(tiles: list[int]) -> bool:
         return all(time_at(m) <= bound_s for m in set(tiles))
+
+    fewest = max(2, math.ceil(whole / bound_s))
+    # whole / bound_s can round up past an exact multiple (tiles that take exactly the
+    # bound): one tile fewer is then the fewest that fit.
+    if fewest > 2 and fits(equal_tiles(num_rows, fewest - 1)):
+        fewest -= 1
 
     def consider(tiles: list[int]) -> None:
         nonlocal best

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flowprefill.prefill.executor.splitting import SplitRates
@@ -35,6 +35,8 @@ def sawtooth(per_row_s: float, tooth: int, penalty: float) -> Callable[[int], fl
 
 @settings(max_examples=200, deadline=None)
 @given(rows=st.integers(1, 200_000), per_row_us=st.floats(0.01, 10), bound_ms=st.floats(0.05, 50))
+# Tiles that take exactly the bound, where whole / bound rounds up past 5 (found by this test).
+@example(rows=5000, per_row_us=7.787323563754752, bound_ms=7.787323563754752)
 def test_a_linear_time_gives_the_fewest_equal_tiles(
     rows: int, per_row_us: float, bound_ms: float
 ) -> None:
