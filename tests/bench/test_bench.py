@@ -280,7 +280,9 @@ def test_bench_reports_tbt_attainment_per_class_from_streamed_token_times(
     assert (res["text"]["tbt_attainment"], res["search"]["tbt_attainment"]) == (1.0, 0.0)
     assert res["all"]["tbt_attainment"] == 0.5
     assert res["text"]["tbt_slo_s"] == 1.0 and res["search"]["tbt_slo_s"] == 0.05
-    assert 0.3 <= res["search"]["tbt_p50_s"] < 1.0
+    # The server sleeps 300 ms between tokens; a token the client reads late shortens the
+    # next gap it sees, so the median may land a little under 0.3 s (seen: 0.2999).
+    assert 0.25 <= res["search"]["tbt_p50_s"] < 1.0
     assert res["all"]["attainment"] == 1.0  # TTFT: unaffected
     assert report["tbt_slo_s"] == {"text": 1.0, "search": 0.05}
     sent = next(iter(report["requests"].values()))
