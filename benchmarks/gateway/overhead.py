@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,98 +51,16 @@ from rich.table import Table
 # package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.gateway.stubs import DECODE_TOKENS, PROMPT, serve_stub
 from benchmarks.stack.common import free_port
 from flowprefill.contracts.deployment import PREFILL_API_PATH
 from flowprefill.contracts.gateway import Endpoint, GatewayConfig
 from flowprefill.contracts.prefill_api import (
-    KVHandoffEvent,
-    PrefillLoad,
     PrefillRequest,
-    PrefillResponse,
 )
 from flowprefill.contracts.slo import SLOTable, SLOTableClass
-from flowprefill.web.sse import DONE, MEDIA_TYPE, sse_event
 
-DECODE_TOKENS = 4
-PROMPT = "The quick brown fox jumps over the lazy dog"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def prefill_answer(request: PrefillRequest) -> PrefillResponse:
-    """An idle instance's instant answer to ``request``."""
-    return PrefillResponse(
-        request_id=request.request_id,
-        first_token_id=42,
-        num_prompt_tokens=len(request.prompt_token_ids),
-        ttft_s=0.0001,
-        met_slo=True,
-        num_preemptions=0,
-        batch_size=1,
-        load=PrefillLoad(backlog_tokens=0, queue_delay_s=0.0, num_requests=0),
-    )
-
-
-async def prefill_events(request: PrefillRequest) -> AsyncIterator[str]:
-    """A streamed prefill answer, framed as the prefill server frames it
-    (flowprefill/prefill/server/prefill.py, ``events``): the first token, the hand-off
-    event when one was asked for (null: no KV written, decode recomputes), ``[DONE]``."""
-    yield sse_event(prefill_answer(request))
-    if request.hand_off_kv:
-        yield sse_event(KVHandoffEvent(kv_transfer_params=None))
-    yield DONE
-
-
-async def decode_events(body: dict[str, Any]) -> AsyncIterator[str]:
-    """vLLM's OpenAI completion stream: one chunk per token, the usage chunk when
-    ``stream_options.include_usage`` asks for it (the gateway reads the completion tokens
-    from it), ``[DONE]``."""
-    n = min(DECODE_TOKENS, int(body.get("max_tokens", 1)))
-    envelope = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub"}
-    for i in range(n):
-        last = i == n - 1
-        choice = {
-            "index": 0,
-            "text": f" t{i}",
-            "logprobs": None,
-            "finish_reason": "length" if last else None,
-            "stop_reason": None,
-        }
-        yield sse_event({**envelope, "choices": [choice]})
-    if (body.get("stream_options") or {}).get("include_usage"):
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
-        usage["total_tokens"] = usage["prompt_tokens"] + n
-        yield sse_event({**envelope, "choices": [], "usage": usage})
-    yield DONE
-
-
-def stub_app() -> Any:
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-
-    app = FastAPI()
-
-    @app.post(PREFILL_API_PATH, response_model=None)
-    async def prefill(request: PrefillRequest) -> PrefillResponse | StreamingResponse:
-        if request.stream:
-            return StreamingResponse(prefill_events(request), media_type=MEDIA_TYPE)
-        return prefill_answer(request)
-
-    @app.post("/v1/completions")
-    async def completions(body: dict[str, Any]) -> StreamingResponse:
-        return StreamingResponse(decode_events(body), media_type=MEDIA_TYPE)
-
-    @app.get("/health")
-    @app.get("/ready")
-    async def ok() -> dict[str, str]:
-        return {"status": "ok"}
-
-    return app
-
-
-def serve_stub(port: int) -> None:
-    import uvicorn
-
-    uvicorn.run(stub_app(), host="127.0.0.1", port=port, log_level="error")
 
 
 def start_gateway(config: Path, table: Path, port: int, src: str | None, log: Path) -> Any:
