@@ -24,10 +24,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from flowprefill.contracts.names import Granularity, Kernels
 from flowprefill.errors import InvalidRequestError
-from flowprefill.prefill.executor.attention import register as register_packed_attention
+from flowprefill.prefill.executor import patches
 from flowprefill.prefill.executor.calibration import calibrate
 from flowprefill.prefill.executor.checkpoints import (
-    NoBoundariesError,
     check_granularity,
     describe,
     find_decoder_layers,
@@ -43,7 +42,6 @@ from flowprefill.prefill.executor.device import (
 )
 from flowprefill.prefill.executor.kernels import (
     FastLinearHandle,
-    install_fast_linears,
     resolve_kernels,
 )
 from flowprefill.prefill.executor.memory import (
@@ -62,14 +60,12 @@ from flowprefill.prefill.executor.splitting import (
     TraceRecorder,
     count_checkpoints,
     hooked,
-    install_split_operators,
 )
 
 PromptLike = Sequence[int] | torch.Tensor
 KVGather = Callable[
     [list[tuple[torch.Tensor, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]
 ]
-Undo = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -180,25 +176,25 @@ class PreemptibleExecutor:
         # What the hooks call: a checkpoint that also starts a new stretch for operator
         # splitting (a no-op without it).
         boundary = hooked(self._on_boundary)
-        with ExitStack() as patches:
-            patches.callback(_use_packed_attention(model))
+        with ExitStack() as undo:
+            undo.callback(patches.packed_attention(model))
             self._checkpoints = install_checkpoints(model, self.granularity, boundary)
-            patches.callback(self._checkpoints.remove)
+            undo.callback(self._checkpoints.remove)
             # After the checkpoints: installing those refuses a model another executor holds.
             if self.kernels is Kernels.FAST:
-                self._linears = _install_fast_linears(model)
-                patches.callback(self._linears.remove)
+                self._linears = patches.fast_linears(model)
+                undo.callback(self._linears.remove)
             if max_blocking_s is not None:
                 # Wraps the fast linears' forward, so it is undone before them.
-                self._split = _install_split_operators(model)
-                patches.callback(self._split.remove)
+                self._split = patches.split_operators(model)
+                undo.callback(self._split.remove)
                 rates = split_rates if split_rates is not None else self._calibrate(max_blocking_s)
                 layers = find_decoder_layers(model)[1]
-                patches.callback(_checkpoint_layer_entries(layers, boundary))
+                undo.callback(patches.layer_entry_checkpoints(layers, boundary))
                 self._num_entry_checkpoints = len(layers)
                 self._trace = self._trace_forward()
                 self._split_policy = SplitPolicy(max_blocking_s, rates)
-            self._undo = patches.pop_all()
+            self._undo = undo.pop_all()
         # After every patch: prepacked weights are module attributes, not a task's.
         self._weights = weight_storages(model)
         self.footprint = ParkedFootprint.of_model(config, next(model.parameters()).dtype)
@@ -434,55 +430,6 @@ def _split_bound(max_blocking_ms: float | None, granularity: Granularity) -> flo
     if not max_blocking_ms > 0:
         raise ValueError(f"max_blocking_ms must be positive, got {max_blocking_ms}")
     return max_blocking_ms / 1000.0
-
-
-# The patches: each changes the model and returns (or is) how to undo it.
-
-
-def _use_packed_attention(model: PreTrainedModel) -> Undo:
-    """Run attention per request segment; the undo restores the implementation the model
-    had (unless someone has set another since)."""
-    original = model.config._attn_implementation
-    model.set_attn_implementation(register_packed_attention())
-
-    def undo() -> None:
-        if model.config._attn_implementation != original:
-            model.set_attn_implementation(original)
-
-    return undo
-
-
-def _install_fast_linears(model: PreTrainedModel) -> FastLinearHandle:
-    """Prepacked oneDNN linears in the decoder stack (none when there is no stack to find:
-    the model's own linears run)."""
-    try:
-        layers = find_decoder_layers(model)[1]
-    except NoBoundariesError:
-        return FastLinearHandle()
-    return install_fast_linears(layers)
-
-
-def _install_split_operators(model: PreTrainedModel) -> SplitHandle:
-    """Row-tiled linears and expert blocks in the decoder stack."""
-    top_k = int(getattr(model.config, "num_experts_per_tok", 1) or 1)
-    return install_split_operators(find_decoder_layers(model)[1], top_k=top_k)
-
-
-def _checkpoint_layer_entries(layers: torch.nn.ModuleList, boundary: Callable[[], None]) -> Undo:
-    """A checkpoint at the entry of every decoder layer: the first layer's is the only one
-    between the embedding and layer 0's first operators (so a pass's prologue gets a stretch
-    of its own); the others fall right after down_proj's and cost a call."""
-
-    def entry(_module: torch.nn.Module, _args: object) -> None:
-        boundary()
-
-    hooks = [layer.register_forward_pre_hook(entry) for layer in layers]
-
-    def undo() -> None:
-        for hook in hooks:
-            hook.remove()
-
-    return undo
 
 
 def _attention_shape(model: PreTrainedModel) -> tuple[int, int]:
