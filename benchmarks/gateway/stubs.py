@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from flowprefill.contracts.deployment import PREFILL_API_PATH
+from flowprefill.contracts.deployment import HEALTH_PATH, PREFILL_API_PATH, READY_PATH
 from flowprefill.contracts.prefill_api import (
     KVHandoffEvent,
     PrefillLoad,
@@ -85,8 +85,8 @@ def stub_app() -> Any:
     async def completions(body: dict[str, Any]) -> StreamingResponse:
         return StreamingResponse(decode_events(body), media_type=MEDIA_TYPE)
 
-    @app.get("/health")
-    @app.get("/ready")
+    @app.get(HEALTH_PATH)
+    @app.get(READY_PATH)
     async def ok() -> dict[str, str]:
         return {"status": "ok"}
 
