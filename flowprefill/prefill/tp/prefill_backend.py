@@ -20,13 +20,17 @@ import torch
 
 from flowprefill.contracts import EngineConfig
 from flowprefill.contracts.names import RankCommand
-from flowprefill.errors import RankFailedError
+from flowprefill.errors import FlowPrefillError, RankFailedError
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PrefillOutput, PromptLike
 from flowprefill.prefill.tp.agreement import LeaderGate
 from flowprefill.prefill.tp.ranks import RankGroup
 
 PARK_HISTORY = 4096
+
+
+RANK_FAILURE_WAIT_S = 1.0
+"""How long a failed collective waits for the group to say which rank died."""
 
 
 class TPPrefillBackend:
@@ -82,7 +86,17 @@ class TPPrefillBackend:
             self.group.table.reset(slot)
             self.group.send(RankCommand.SUBMIT, key, slot, tokens)
             control.gate = gate
-            return self.executor.run(tokens, control)
+            try:
+                return self.executor.run(tokens, control)
+            except FlowPrefillError:
+                raise  # ours already say what happened (a rank failure included)
+            except RuntimeError as error:
+                # A dead rank shows up first as the leader's collective failing; name the
+                # rank, as the engine and its clients are told, rather than gloo's error.
+                failure = self.group.wait_failure(RANK_FAILURE_WAIT_S)
+                if failure is None:
+                    raise
+                raise failure from error
         finally:
             control.gate = None
             self.parked_at.append((key, list(gate.parked_at)))

@@ -281,6 +281,7 @@ class RankGroup:
         self._send_lock = threading.Lock()
         self._fail_lock = threading.Lock()
         self._failure: RankFailedError | None = None
+        self._failed = threading.Event()
         self._callbacks: list[Callable[[RankFailedError], None]] = []
         self._closing = False
         port = free_port()
@@ -383,6 +384,13 @@ class RankGroup:
     def failure(self) -> RankFailedError | None:
         return self._failure
 
+    def wait_failure(self, timeout_s: float) -> RankFailedError | None:
+        """The group's failure, waiting up to ``timeout_s`` for the watcher to record one: a
+        collective on the leader can fail (gloo's connection reset) a moment before the
+        watcher sees the dead rank's process end."""
+        self._failed.wait(timeout_s)
+        return self._failure
+
     def on_failure(self, callback: Callable[[RankFailedError], None]) -> None:
         self._callbacks.append(callback)
         if self._failure is not None:
@@ -404,6 +412,7 @@ class RankGroup:
             first = self._failure is None
             if first:
                 self._failure = RankFailedError(f"{message}; this prefill instance is down")
+                self._failed.set()
         assert self._failure is not None
         if first:
             log.error("%s", self._failure)
