@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flowprefill.contracts.deployment import OPERATOR_ENV_PREFIX
 
@@ -57,6 +57,30 @@ class OperatorSettings(BaseModel):
         description="The chart's watch.scope; namespaced: kopf does not scan namespaces or "
         "watch CRDs (a Role cannot grant either).",
     )
+    child_image_pull_secrets: tuple[str, ...] = Field(
+        default=(),
+        description="imagePullSecrets of every child pod (the chart's "
+        "children.imagePullSecrets; comma-separated in the environment), before a pool's own.",
+    )
+    hf_endpoint: str | None = Field(
+        default=None,
+        description="The Hub's base URL (a mirror) for the operator's model check and the "
+        "pods' download steps; unset = huggingface_hub's default.",
+    )
+    model_check: bool = Field(
+        default=True,
+        description="Check an hf:// source (repository, revision, token) from the operator "
+        "before creating pods: a wrong token or a missing repository becomes a condition "
+        "and an Event instead of pods whose download step fails. Off where the operator "
+        "cannot reach the Hub (the pods' download step still reports).",
+    )
+
+    @field_validator("child_image_pull_secrets", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:

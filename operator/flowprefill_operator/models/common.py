@@ -36,8 +36,11 @@ class LabelSelectorRequirement(CRModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "self.operator in ['In', 'NotIn'] ? size(self.values) > 0"
-                    " : size(self.values) == 0",
+                    # values is optional on the wire: has() before size() (an absent
+                    # field is an error in CEL, not an empty list).
+                    "self.operator in ['In', 'NotIn']"
+                    " ? (has(self.values) && size(self.values) > 0)"
+                    " : (!has(self.values) || size(self.values) == 0)",
                     "In/NotIn need values; Exists/DoesNotExist take none",
                 )
             ]

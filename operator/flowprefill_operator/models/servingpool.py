@@ -11,6 +11,7 @@ from flowprefill.contracts.names import DType
 
 from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscaling, ReplicasOwner
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
+from .modelsource import ModelSource
 
 MAX_GPUS_PER_POD = 16
 """Most GPUs one pod asks for (no common node has more)."""
@@ -42,70 +43,6 @@ Role = Literal["prefill", "decode"]
 Granularity = Literal["operator", "layer", "none"]
 Policy = Literal["s-edf", "d-edf", "edf", "fcfs"]
 Batching = Literal["slo-aware", "member-headroom", "none"]
-
-
-class PVCSource(CRModel):
-    """A PersistentVolumeClaim holding the model, mounted read-only."""
-
-    claim_name: str = Field(max_length=253, description="Name of the PVC in the pool's namespace.")
-    mount_path: str = Field(
-        default="/models", pattern=r"^/", max_length=256, description="Where the PVC is mounted."
-    )
-    sub_path: str = Field(default="", max_length=1024, description="Sub-directory of the volume.")
-
-
-class ImageSource(CRModel):
-    """An OCI image holding the model, mounted as an image volume (Kubernetes >= 1.33)."""
-
-    reference: str = Field(max_length=512, description="Image reference, pinned by digest ideally.")
-    mount_path: str = Field(
-        default="/models", pattern=r"^/", max_length=256, description="Where the image is mounted."
-    )
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        default="IfNotPresent", description="Image pull policy of the model image."
-    )
-
-
-class ModelSource(CRModel):
-    """Where the weights come from. No hub downloads: a PVC, an image, or the engine image."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("!(has(self.pvc) && has(self.image))", "set at most one of pvc and image"),
-                cel(
-                    "!has(self.pvc) || self.path.startsWith(self.pvc.mountPath)",
-                    "path must lie under pvc.mountPath",
-                ),
-                cel(
-                    "!has(self.image) || self.path.startsWith(self.image.mountPath)",
-                    "path must lie under image.mountPath",
-                ),
-            ]
-        }
-    )
-
-    path: str = Field(
-        pattern=r"^(/.*|[a-z0-9][-a-z0-9.]*)$",
-        max_length=1024,
-        description="Model directory inside the container, or an engine built-in (tiny-llama).",
-    )
-    name: str | None = Field(
-        default=None,
-        max_length=253,
-        description="Served model name (the request's `model`); defaults to the service name.",
-    )
-    pvc: PVCSource | None = Field(default=None, description="Mount the model from a PVC.")
-    image: ImageSource | None = Field(default=None, description="Mount the model from an image.")
-
-    @model_validator(mode="after")
-    def _mirror_cel(self) -> ModelSource:
-        if self.pvc and self.image:
-            raise ValueError("set at most one of pvc and image")
-        mount = self.pvc or self.image
-        if mount and not self.path.startswith(mount.mount_path):
-            raise ValueError(f"path must lie under {'pvc' if self.pvc else 'image'}.mountPath")
-        return self
 
 
 class KVHandoff(CRModel):
