@@ -2,19 +2,37 @@
 
 from .common import Condition, CRModel, LabelSelector
 from .configs import Endpoint, EngineConfig, GatewayConfig, SLOTable, SLOTableClass, SLOTableMatch
+from .podoverlay import (
+    Affinity,
+    ContainerSecurityContext,
+    EnvFromSource,
+    EnvVar,
+    PodOverlay,
+    PodSecurityContext,
+    Toleration,
+    TopologySpreadConstraint,
+    Volume,
+    VolumeMount,
+)
 from .servingpool import EngineSettings, ModelSource, ServingPoolSpec, ServingPoolStatus
 from .sloclass import MatchRules, SLOClassSpec, SLOClassStatus
 
 __all__ = [
+    "Affinity",
     "CRModel",
     "Condition",
+    "ContainerSecurityContext",
     "Endpoint",
     "EngineConfig",
     "EngineSettings",
+    "EnvFromSource",
+    "EnvVar",
     "GatewayConfig",
     "LabelSelector",
     "MatchRules",
     "ModelSource",
+    "PodOverlay",
+    "PodSecurityContext",
     "SLOClassSpec",
     "SLOClassStatus",
     "SLOTable",
@@ -22,4 +40,8 @@ __all__ = [
     "SLOTableMatch",
     "ServingPoolSpec",
     "ServingPoolStatus",
+    "Toleration",
+    "TopologySpreadConstraint",
+    "Volume",
+    "VolumeMount",
 ]

@@ -12,6 +12,7 @@ from flowprefill.contracts.names import DType
 from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscaling, ReplicasOwner
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
 from .modelsource import ModelSource
+from .podoverlay import PodOverlay, Toleration  # Toleration lives there (the overlay's too)
 
 MAX_GPUS_PER_POD = 16
 """Most GPUs one pod asks for (no common node has more)."""
@@ -198,20 +199,6 @@ class EngineSettings(CRModel):
         return self
 
 
-class Toleration(CRModel):
-    """A Kubernetes toleration."""
-
-    key: str | None = Field(default=None, max_length=317, description="Taint key.")
-    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Key/value relation.")
-    value: str | None = Field(default=None, max_length=63, description="Taint value (Equal).")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        default=None, description="Taint effect; unset matches all effects."
-    )
-    toleration_seconds: int | None = Field(
-        default=None, ge=0, description="How long a NoExecute taint is tolerated."
-    )
-
-
 class PoolResources(CRModel):
     """What each pod of the pool needs and where it may run."""
 
@@ -345,6 +332,17 @@ class ServingPoolSpec(CRModel):
     slo_class_selector: LabelSelector | None = Field(
         default=None,
         description="SLOClasses (same namespace) the service's gateway serves; unset = all.",
+    )
+    pod: PodOverlay | None = Field(
+        default=None,
+        description="Escape hatch onto this pool's pods: pull secrets, service account, "
+        "placement, metadata, env, extra volumes, security contexts (docs/pods.md).",
+    )
+    gateway_pod: PodOverlay | None = Field(
+        default=None,
+        description="The same onto the service's gateway pods, read from one pool only: the "
+        "one whose tokenizer the gateway uses (the service's first prefill pool by name); "
+        "ignored on the service's other pools.",
     )
 
     @model_validator(mode="after")
