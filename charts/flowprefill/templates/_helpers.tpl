@@ -44,11 +44,65 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/* The tag of all four images: image.tag, else the chart's appVersion. */}}
+{{- define "flowprefill.imageTag" -}}
+{{- default .Chart.AppVersion .Values.image.tag -}}
+{{- end -}}
+
+{{/* An image of the naming contract, <image.registry>/<name>:<tag> (docs/images.md);
+called with (list $ "name"). */}}
+{{- define "flowprefill.contractImage" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s/%s:%s" (trimSuffix "/" $root.Values.image.registry) (index . 1) (include "flowprefill.imageTag" $root) -}}
+{{- end -}}
+
+{{/* The operator's image: image.repository (else <registry>/operator), by digest if set. */}}
 {{- define "flowprefill.image" -}}
+{{- $repository := default (printf "%s/operator" (trimSuffix "/" .Values.image.registry)) .Values.image.repository -}}
 {{- if .Values.image.digest -}}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- printf "%s@%s" $repository .Values.image.digest -}}
 {{- else -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- printf "%s:%s" $repository (include "flowprefill.imageTag" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A child image: children.<role>Image if set, else the contract's; called with
+(list $ "prefill"). */}}
+{{- define "flowprefill.childImage" -}}
+{{- $root := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- default (include "flowprefill.contractImage" (list $root $role)) (get $root.Values.children (printf "%sImage" $role)) -}}
+{{- end -}}
+
+{{/* Names of the children's imagePullSecrets, comma-separated (the operator's
+FLOWPREFILL_OPERATOR_CHILD_IMAGE_PULL_SECRETS): children.imagePullSecrets, or when that
+is null the chart's own imagePullSecrets. */}}
+{{- define "flowprefill.childPullSecrets" -}}
+{{- $secrets := .Values.children.imagePullSecrets -}}
+{{- if kindIs "invalid" $secrets -}}
+{{- $secrets = .Values.imagePullSecrets -}}
+{{- end -}}
+{{- $names := list -}}
+{{- range $secrets -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- join "," $names -}}
+{{- end -}}
+
+{{/* Whether ServingPools may set spec.model.image on the cluster being installed to
+(modelSources.imageVolumes): "true" or "false". The ImageVolume feature is on by default
+from Kubernetes 1.35; a feature gate (alpha 1.31, beta off by default 1.33-1.34) before. */}}
+{{- define "flowprefill.imageVolumesAllowed" -}}
+{{- $mode := .Values.modelSources.imageVolumes -}}
+{{- if eq $mode "enabled" -}}
+{{- if semverCompare "<1.31.0-0" .Capabilities.KubeVersion.Version -}}
+{{- fail (printf "modelSources.imageVolumes=enabled: Kubernetes %s has no ImageVolume feature (it appeared in 1.31)" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+true
+{{- else if eq $mode "disabled" -}}
+false
+{{- else -}}
+{{- semverCompare ">=1.35.0-0" .Capabilities.KubeVersion.Version -}}
 {{- end -}}
 {{- end -}}
 
@@ -57,6 +111,12 @@ app.kubernetes.io/component: operator
 - apiGroups: ["flowprefill.io"]
   resources: ["servingpools", "sloclasses"]
   verbs: ["get", "list", "watch", "patch"]
+# Children carry an ownerReference to their pool with blockOwnerDeletion: true; with the
+# OwnerReferencesPermissionEnforcement admission plugin (OpenShift enables it) setting that
+# needs update on the owner's finalizers subresource, or every create is a 403.
+- apiGroups: ["flowprefill.io"]
+  resources: ["servingpools/finalizers"]
+  verbs: ["update"]
 - apiGroups: ["flowprefill.io"]
   resources: ["servingpools/status", "sloclasses/status"]
   verbs: ["get", "patch"]
@@ -114,4 +174,23 @@ cannot know every namespace the operator will serve. */}}
 matchLabels:
   app.kubernetes.io/managed-by: flowprefill-operator
   flowprefill.io/role: {{ . }}
+{{- end -}}
+
+{{/* The port of the Hub the operator checks hf:// sources at: modelSources.hfEndpoint's
+(explicit, else 80 for http), 443 for the Hub itself. */}}
+{{- define "flowprefill.hubPort" -}}
+{{- $endpoint := .Values.modelSources.hfEndpoint -}}
+{{- if $endpoint -}}
+{{- $url := urlParse $endpoint -}}
+{{- $hostPort := splitList ":" $url.host -}}
+{{- if gt (len $hostPort) 1 -}}
+{{- last $hostPort -}}
+{{- else if eq $url.scheme "http" -}}
+80
+{{- else -}}
+443
+{{- end -}}
+{{- else -}}
+443
+{{- end -}}
 {{- end -}}
