@@ -4,10 +4,13 @@ pods, and apply_pod_overlay merges the rest onto a rendered pod by the documente
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 from flowprefill_operator.builders.overlay import OverlayConflict, apply_pod_overlay
 from flowprefill_operator.models import PodOverlay, ServingPoolSpec
 from flowprefill_operator.models.podoverlay import RESERVED_VOLUMES
@@ -431,3 +434,20 @@ def test_the_crd_keeps_nested_kubernetes_objects_and_prunes_unknown_affinity_kin
     # Every list and map the CEL iterates is bounded (the API server's cost estimate).
     for name in ("labels", "annotations", "volumes", "volumeMounts"):
         assert "maxItems" in pod[name] or "maxProperties" in pod[name], name
+
+
+def _doc_examples(repo_root: Path) -> list[dict[str, Any]]:
+    text = (repo_root / "docs" / "pods.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    return [y["spec"] for b in blocks if (y := yaml.safe_load(b)) and "spec" in y]
+
+
+def test_every_example_in_docs_pods_md_is_accepted(repo_root: Path, crd_schemas: Any) -> None:
+    examples = _doc_examples(repo_root)
+    assert len(examples) >= 6  # one per field group
+    for spec in examples:
+        obj = _pool(**spec)
+        assert validate_cr(obj, crd_schemas) == [], spec
+        pool = ServingPoolSpec.model_validate(obj["spec"])
+        t = apply_pod_overlay(operator_template(), pool.pod, pull_secrets=["org-wide"])
+        kubernetes_validate.validate(_deployment(t), K8S_VERSION, strict=True)
