@@ -1,5 +1,5 @@
 """``flowprefill`` command line: the processes (``up``, ``serve-prefill``,
-``serve-gateway``) and the tools (``bench``, ``profile``, ``simulate``, ``demo``).
+``serve-gateway``, a pod's ``fetch-model`` step) and the tools (``bench``, ``profile``, ``simulate``, ``demo``).
 
 A subcommand's module, and with it its dependencies (torch, transformers, the lab's
 matplotlib), is imported only when that subcommand is chosen: ``flowprefill --help`` is
@@ -55,6 +55,12 @@ def _bench() -> Command:
     return bench_cli.add_arguments, bench_cli.run
 
 
+def _fetch_model() -> Command:
+    from flowprefill import fetch
+
+    return fetch.add_arguments, fetch.run
+
+
 def _up() -> Command:
     from flowprefill.stack import up
 
@@ -63,6 +69,7 @@ def _up() -> Command:
 
 COMMANDS: dict[str, tuple[str, Callable[[], Command]]] = {
     "up": ("Gateway + prefill + decode instances on this machine, tiny built-in model", _up),
+    "fetch-model": ("Download an hf:// model into a directory (a pod's init step)", _fetch_model),
     "demo": ("FlowPrefill vs FCFS on a tiny local model: per-class TTFT attainment", _demo),
     "profile": ("Fit the TTFT predictor on this engine and hardware", _profile),
     "simulate": ("Goodput of every policy at GPU scale (discrete-event simulator)", _simulate),

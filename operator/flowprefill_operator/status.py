@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .builders.model import DOWNLOAD_CONTAINERS
 from .models import Condition, ServingPoolStatus
 
 WAITING_FAILURES = {
@@ -26,6 +27,9 @@ class Problem:
     reason: str
     message: str
     invalid_spec: bool = False
+    blocks_pods: bool = False
+    """The pool's pods could not start (e.g. the model's download would fail): the
+    operator leaves its Deployment as it is rather than roll pods into a crash loop."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,9 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[Problem]:
                     "InsufficientCapacity",
                     Problem("InsufficientCapacity", f"pod {name}: {cond.get('message', '')}"),
                 )
+        for cs in status.get("initContainerStatuses", []):
+            if (problem := download_problem(name, cs)) is not None:
+                found.setdefault(problem.reason, problem)
         for cs in status.get("containerStatuses", []):
             waiting = cs.get("state", {}).get("waiting", {})
             reason = WAITING_FAILURES.get(waiting.get("reason", ""))
@@ -63,6 +70,26 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[Problem]:
                     reason, Problem(reason, f"pod {name}: {waiting.get('message', '')}".strip())
                 )
     return list(found.values())
+
+
+def download_problem(pod: str, status: dict[str, Any]) -> Problem | None:
+    """A failed model download step, from its termination message (``<Reason>: <message>``
+    as ``flowprefill fetch-model`` writes it; the log's tail where it died before): the
+    last run's while the kubelet backs off restarting it."""
+    if status.get("name") not in DOWNLOAD_CONTAINERS:
+        return None
+    state = status.get("state", {})
+    terminated = state.get("terminated") or status.get("lastState", {}).get("terminated")
+    if not terminated or terminated.get("exitCode", 0) == 0:
+        return None
+    text = (terminated.get("message") or "").strip()
+    head, sep, rest = text.partition(": ")
+    if sep and head.isalnum() and head[:1].isupper():
+        reason, message = head, rest
+    else:
+        reason = "ModelDownloadFailed"
+        message = text.splitlines()[-1] if text else f"exit code {terminated.get('exitCode')}"
+    return Problem(reason, f"pod {pod}: {status['name']}: {message}")
 
 
 def _deployment_problem(dep: dict[str, Any]) -> Problem | None:

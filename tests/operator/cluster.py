@@ -66,11 +66,14 @@ class Cluster:
 
 
 @contextmanager
-def running_cluster(tmp: Path, repo_root: Path) -> Iterator[Cluster]:
-    """One emulator with the repo's CRDs and one operator process (1 s timers)."""
+def running_cluster(
+    tmp: Path, repo_root: Path, env: dict[str, str] | None = None
+) -> Iterator[Cluster]:
+    """One emulator with the repo's CRDs and one operator process (1 s timers; ``env``:
+    more of its settings)."""
     emulator = EmulatorThread(sorted((repo_root / "crds").glob("*.yaml"))).start()
     kubeconfig = emulator.write_kubeconfig(tmp / "kubeconfig")
-    operator = OperatorProcess(kubeconfig, tmp / "operator.log", FAST).start()
+    operator = OperatorProcess(kubeconfig, tmp / "operator.log", {**FAST, **(env or {})}).start()
     try:
         yield Cluster(emulator, kube_for(kubeconfig), operator)
     finally:

@@ -28,7 +28,11 @@ PREFILL = ServingPoolSpec.model_validate(
         "service": "llama3-8b",
         "role": "prefill",
         "replicas": 3,
-        "model": {"path": "/models/llama", "pvc": {"claimName": "weights"}},
+        "model": {
+            "uri": "hf://meta-llama/Llama-3.1-8B-Instruct",
+            "tokenSecretRef": {"name": "hf-token"},
+            "cache": {"ephemeral": {"size": "40Gi", "storageClassName": "gp3"}},
+        },
         "engine": {"chunkSize": 2048, "ttftProfile": {"name": "prof", "key": "a100.json"}},
         "resources": {
             "gpusPerPod": 1,
@@ -47,6 +51,7 @@ DECODE = ServingPoolSpec.model_validate(
         "vllmArgs": ["--max-model-len=8192"],
     }
 )
+LLAMA_DIR = "/var/cache/flowprefill/models/hf/meta-llama/Llama-3.1-8B-Instruct/main"
 P = PoolRef("llama3-8b-prefill", "ns", "uid-p", PREFILL)
 D = PoolRef("llama3-8b-decode", "ns", "uid-d", DECODE)
 
@@ -100,7 +105,7 @@ def test_prefill_command_config_and_probes() -> None:
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     engine = json.loads(by_kind(children, "ConfigMap")[0]["data"]["engine.json"])
     assert engine == {
-        "model_path": "/models/llama",
+        "model_path": LLAMA_DIR,
         "granularity": "operator",
         "batch_token_budget": 4096,
         "chunk_size": 2048,
@@ -332,11 +337,19 @@ def test_gateway_command_config_and_slo_table_mount() -> None:
         {"pool": "llama3-8b-prefill", "host": host, "port": 8100, "url": f"http://{host}:8100"}
     ]
     assert [e["port"] for e in gw["decode"]] == [8200]
-    # The gateway tokenizes with the prefill pool's model, mounted read-only at its path.
-    assert gw["tokenizer_path"] == "/models/llama"
-    model_mount = next(m for m in container["volumeMounts"] if m["name"] == "model")
-    assert model_mount["readOnly"] is True
-    assert gw["tokenizer_path"].startswith(model_mount["mountPath"])
+    # The gateway tokenizes with the prefill pool's model: its tokenizer files alone,
+    # downloaded into the gateway's own emptyDir; no weights volume.
+    assert gw["tokenizer_path"] == "/var/cache/flowprefill/tokenizer"
+    pod = dep["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"]} == {"config", "slo", "tmp", "tokenizer"}
+    (step,) = pod["initContainers"]
+    assert step["command"] == [
+        "flowprefill", "fetch-model", "hf://meta-llama/Llama-3.1-8B-Instruct",
+        "--dest", "/var/cache/flowprefill/tokenizer", "--tokenizer-only",
+    ]  # fmt: skip
+    assert step["image"] == SETTINGS.gateway_image
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token",
+            "key": "HF_TOKEN"}}} in step["env"]  # fmt: skip
 
 
 def view(

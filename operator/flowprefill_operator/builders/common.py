@@ -19,7 +19,6 @@ CONFIG_HASH = "flowprefill.io/config-hash"
 POOL_LABEL = "flowprefill.io/pool"
 SERVICE_LABEL = "flowprefill.io/service"
 ROLE_LABEL = "flowprefill.io/role"
-RUN_AS_USER = 10001
 
 
 @dataclass(frozen=True)
@@ -116,13 +115,10 @@ def http_probes(port: str, process: ProcessSpec, *, startup_s: int) -> dict[str,
 
 
 def pod_security_context() -> dict[str, Any]:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS_USER,
-        "runAsGroup": RUN_AS_USER,
-        "fsGroup": RUN_AS_USER,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
+    """Restricted Pod Security Standard and OpenShift's restricted-v2 alike: no UIDs (the
+    image's numeric non-root USER, or the UID the platform assigns); a pool's
+    ``pod.securityContext`` adds what its cluster wants (e.g. fsGroup for a claim)."""
+    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def container_security_context() -> dict[str, Any]:

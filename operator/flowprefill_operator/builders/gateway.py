@@ -30,7 +30,8 @@ from .common import (
     owner_reference,
     pod_security_context,
 )
-from .pool import IMAGE, model_volume, pool_port
+from .model import tokenizer_dir, tokenizer_parts
+from .pool import IMAGE, pool_port
 
 
 def gateway_name(service: str) -> str:
@@ -66,8 +67,8 @@ def build_gateway_config(pools: list[PoolRef], settings: OperatorSettings) -> Ga
     ordered = sorted(pools, key=lambda p: p.name)
     return GatewayConfig(
         service=first.spec.service,
-        # The gateway tokenizes prompts with the model's own tokenizer (mounted read-only).
-        tokenizer_path=tokenizer_pool(pools).spec.model.path,
+        # The gateway tokenizes prompts with the model's own tokenizer (its files alone).
+        tokenizer_path=tokenizer_dir(tokenizer_pool(pools).spec.model),
         model_name=next((p.spec.model.name for p in ordered if p.spec.model.name), None)
         or first.spec.service,
         prefill=[endpoint(p) for p in ordered if p.spec.role == "prefill"],
@@ -76,7 +77,7 @@ def build_gateway_config(pools: list[PoolRef], settings: OperatorSettings) -> Ga
 
 
 def tokenizer_pool(pools: list[PoolRef]) -> PoolRef:
-    """The pool whose model volume the gateway mounts for its tokenizer (a prefill pool)."""
+    """The pool whose model source gives the gateway its tokenizer (a prefill pool)."""
     ordered = sorted(pools, key=lambda p: p.name)
     return next((p for p in ordered if p.spec.role == "prefill"), ordered[0])
 
@@ -118,9 +119,9 @@ def build_gateway_children(
         {"name": "slo", "mountPath": SLO_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
     ]  # fmt: skip
-    model_volumes, model_mounts = model_volume(tokenizer_pool(pools).spec)
-    volumes += model_volumes
-    mounts += model_mounts
+    tokenizer = tokenizer_parts(tokenizer_pool(pools).spec.model, settings.gateway_image, settings)
+    volumes += tokenizer.volumes
+    mounts += tokenizer.mounts
     process = gateway_command()
     container = {
         "name": "gateway",
@@ -153,6 +154,11 @@ def build_gateway_children(
                     "securityContext": pod_security_context(),
                     "containers": [container],
                     "volumes": volumes,
+                    **(
+                        {"initContainers": tokenizer.init_containers}
+                        if tokenizer.init_containers
+                        else {}
+                    ),
                 },
             },
         },

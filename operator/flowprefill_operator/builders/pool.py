@@ -38,6 +38,7 @@ from .common import (
     pool_selector,
     scratch_volumes,
 )
+from .model import model_dir, model_parts
 
 IMAGE = Launcher.image()
 
@@ -54,7 +55,7 @@ def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
     engine = spec.engine_settings
     profile = engine.ttft_profile
     return EngineConfig(
-        model_path=spec.model.path,
+        model_path=model_dir(spec.model),
         granularity=engine.granularity,
         batch_token_budget=engine.batch_token_budget,
         chunk_size=engine.chunk_size,
@@ -128,7 +129,7 @@ def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
         )
     return decode_process(
         IMAGE,
-        model_path=spec.model.path,
+        model_path=model_dir(spec.model),
         port=DECODE_PORT,
         kv_transport=transport,
         kv_path=kv.mount_path if kv else None,
@@ -187,26 +188,6 @@ def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
     return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
 
 
-def model_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    model = spec.model
-    if model.pvc:
-        volume = {
-            "name": "model",
-            "persistentVolumeClaim": {"claimName": model.pvc.claim_name, "readOnly": True},
-        }
-        mount = {"name": "model", "mountPath": model.pvc.mount_path, "readOnly": True}
-        if model.pvc.sub_path:
-            mount["subPath"] = model.pvc.sub_path
-        return [volume], [mount]
-    if model.image:
-        volume = {
-            "name": "model",
-            "image": {"reference": model.image.reference, "pullPolicy": model.image.pull_policy},
-        }
-        return [volume], [{"name": "model", "mountPath": model.image.mount_path, "readOnly": True}]
-    return [], []  # the weights ship inside the engine image
-
-
 def build_engine_configmap(pool: PoolRef) -> Manifest:
     labels = component_labels(pool.spec.service, pool.spec.role)
     meta = metadata(
@@ -221,16 +202,18 @@ def build_engine_configmap(pool: PoolRef) -> Manifest:
 def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: str) -> Manifest:
     spec = pool.spec
     labels = component_labels(spec.service, spec.role) | pool_selector(pool.name)
+    image = spec.image or (
+        settings.prefill_image if spec.role == "prefill" else settings.decode_image
+    )
     volumes, mounts = scratch_volumes(shm_size_limit(spec))
-    model_volumes, model_mounts = model_volume(spec)
-    volumes += model_volumes
-    mounts += model_mounts
+    model = model_parts(spec.model, image, settings, labels)
+    volumes += model.volumes
+    mounts += model.mounts
     kv_volumes, kv_mounts = kv_volume(spec)
     volumes += kv_volumes
     mounts += kv_mounts
     process = pool_process(spec)
     if spec.role == "prefill":
-        image = spec.image or settings.prefill_image
         volumes.append({"name": "engine", "configMap": {"name": engine_configmap_name(pool.name)}})
         mounts.append(
             {"name": "engine", "mountPath": ENGINE_CONFIG_PATH, "subPath": "engine.json",
@@ -242,7 +225,6 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
             mounts.append({"name": "profile", "mountPath": PROFILE_DIR, "readOnly": True})
         startup_s = 900
     else:
-        image = spec.image or settings.decode_image
         startup_s = 1800
     container: dict[str, Any] = {
         "name": spec.role,
@@ -265,6 +247,8 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
         "volumes": volumes,
         "terminationGracePeriodSeconds": 60,
     }
+    if model.init_containers:
+        pod_spec["initContainers"] = model.init_containers
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     if spec.resources.tolerations:

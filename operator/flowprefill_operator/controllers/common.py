@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from .. import GROUP, VERSION
 from ..kube import ApiError, Kube
 from ..settings import OperatorSettings
+from .modelcheck import ModelChecks
 
 POOLS = (GROUP, VERSION, "servingpools")
 CLASSES = (GROUP, VERSION, "sloclasses")
@@ -58,11 +59,13 @@ class KeyedLocks:
 
 @dataclass(frozen=True)
 class Context:
-    """The API client, the settings and the locks, created once at startup."""
+    """The API client, the settings, the locks and the remembered model checks, created
+    once at startup."""
 
     kube: Kube
     settings: OperatorSettings
     locks: KeyedLocks
+    model_checks: ModelChecks = field(default_factory=ModelChecks)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from .common import (
 )
 from .gateway import sync_gateway
 from .indexes import ClassEntry, class_index, classes_of, pool_index, pools_of
+from .modelcheck import model_problems
 from .sloclass import judge
 
 
@@ -76,13 +77,10 @@ def status_events(before: ServingPoolStatus, after: ServingPoolStatus) -> list[E
 
 
 def preflight(ctx: Context, pool: PoolRef, peers: list[PoolRef]) -> list[Problem]:
-    """References that must exist for the pods to start (checked, not waited for)."""
+    """References that must exist for the pods to start (checked, not waited for), and
+    the model source's own check (:mod:`.modelcheck`)."""
     kube, spec, ns = ctx.kube, pool.spec, pool.namespace
-    problems = []
-    if spec.model.pvc and not kube.get("PersistentVolumeClaim", ns, spec.model.pvc.claim_name):
-        problems.append(
-            Problem("ModelVolumeNotFound", f"PVC {spec.model.pvc.claim_name!r} not found")
-        )
+    problems = model_problems(kube, ns, spec.model, ctx.settings, ctx.model_checks)
     kv = spec.kv_handoff
     if kv and kv.claim_name and not kube.get("PersistentVolumeClaim", ns, kv.claim_name):
         problems.append(Problem("KVVolumeNotFound", f"PVC {kv.claim_name!r} not found"))
@@ -156,7 +154,10 @@ def reconcile_pool(
         # The index may not hold this very version yet (a timer's body can be newer).
         peers = sorted([p for p in peers if p.name != name] + [pool], key=lambda p: p.name)
         problems = preflight(ctx, pool, peers)
+        blocked = any(p.blocks_pods for p in problems)
         for manifest in build_pool_children(pool, ctx.settings):
+            if blocked and manifest["kind"] == "Deployment":
+                continue  # pods that cannot start: keep what runs (if anything) as it is
             ctx.kube.apply(manifest)
         sync_gateway(ctx, namespace, spec.service, peers, judge(ctx, namespace, classes))
         observed = Observed(
