@@ -1,5 +1,6 @@
 """``flowprefill`` command line: the processes (``up``, ``serve-prefill``,
-``serve-gateway``, a pod's ``fetch-model`` step) and the tools (``bench``, ``profile``, ``simulate``, ``demo``).
+``serve-gateway``, a pod's ``fetch-model`` step) and the tools (``bench``, ``profile``,
+``simulate``, ``demo``).
 
 A subcommand's module, and with it its dependencies (torch, transformers, the lab's
 matplotlib), is imported only when that subcommand is chosen: ``flowprefill --help`` is
