@@ -21,12 +21,16 @@ HF_SCHEME: Final = "hf://"
 PVC_SCHEME: Final = "pvc://"
 
 HF_REPO_PART = r"[A-Za-z0-9][-A-Za-z0-9_.]{0,95}"
-HF_URI_PATTERN: Final = rf"^hf://{HF_REPO_PART}(/{HF_REPO_PART})?(@[-A-Za-z0-9_./]{{1,200}})?$"
-"""``hf://`` + a Hub repo id (``name`` or ``org/name``) + an optional ``@revision``: a
-branch, tag or commit (``refs/pr/1`` included)."""
-PVC_URI_PATTERN: Final = (
-    r"^pvc://[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?(/[-A-Za-z0-9_.]*[-A-Za-z0-9_][-A-Za-z0-9_.]*)*/?$"
+PLAIN_SEGMENT = r"[-A-Za-z0-9_.]*[-A-Za-z0-9_][-A-Za-z0-9_.]*"
+"""A path segment that is not ``.`` or ``..`` (RE2, as CEL and the API server use: no
+look-ahead)."""
+HF_URI_PATTERN: Final = (
+    rf"^hf://{HF_REPO_PART}(/{HF_REPO_PART})?(@{PLAIN_SEGMENT}(/{PLAIN_SEGMENT}){{0,8}})?$"
 )
+"""``hf://`` + a Hub repo id (``name`` or ``org/name``) + an optional ``@revision``: a
+branch, tag or commit (``refs/pr/1`` included; no ``.``/``..`` segment, which git refuses
+too and which would lead the download out of its cache directory)."""
+PVC_URI_PATTERN: Final = rf"^pvc://[a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?(/{PLAIN_SEGMENT})*/?$"
 """``pvc://`` + a claim name (DNS subdomain) + an optional sub-path of plain segments (no
 ``.`` or ``..``: the kubelet refuses a subPath that leaves the volume)."""
 MODEL_URI_PATTERN: Final = f"({HF_URI_PATTERN})|({PVC_URI_PATTERN})"

@@ -18,8 +18,9 @@ from flowprefill.contracts.model_uri import (
 
 from .common import QUANTITY, CRModel, cel
 
-MOUNT_PATH = r"^/([^/]+(/[^/]+)*)?$"
-"""An absolute path without a trailing slash (the prefix rules compare it plus ``/``)."""
+MOUNT_PATH = r"^(/[^/]+)+$"
+"""An absolute path, not ``/`` (an image over the root filesystem), without a trailing
+slash (the prefix rule compares it plus ``/``)."""
 
 PATH_UNDER_IMAGE = (
     "has(self.path) && (self.path == self.image.mountPath"
