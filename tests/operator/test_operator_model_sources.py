@@ -213,3 +213,88 @@ def test_model_checks_are_remembered_and_inconclusive_ones_let_pods_try() -> Non
     checks.hub(gone, None, "", None)
     checks.hub(ok, "t", "", None)
     assert calls[4:] == ["hf://gone/model"]
+
+
+OVERLAY = {
+    "labels": {"team": "search"},
+    "annotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+    "serviceAccountName": "llama-sa",
+    "imagePullSecrets": [{"name": "team-registry"}],
+    "priorityClassName": "inference-high",
+    "runtimeClassName": "nvidia",
+    "schedulerName": "volcano",
+    "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}
+                ]
+            }
+        }
+    },
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+         "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
+    "securityContext": {"fsGroup": 2000},
+    "env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+    "envFrom": [{"secretRef": {"name": "extra"}}],
+    "volumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+    "volumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
+}  # fmt: skip
+
+
+def test_rendered_pods_carry_pull_secrets_and_every_overlay_field() -> None:
+    settings = SETTINGS.model_copy(update={"child_image_pull_secrets": ("registry-creds",)})
+    raw = {
+        "service": "llama",
+        "role": "prefill",
+        "model": {"uri": HF},
+        "pod": OVERLAY,
+        "gatewayPod": {"serviceAccountName": "gw-sa", "imagePullSecrets": [{"name": "gw"}]},
+    }
+    s = ServingPoolSpec.model_validate(raw)  # fmt: skip
+    children = build_pool_children(PoolRef("llama-prefill", "ns", "u", s), settings)
+    dep = next(m for m in children if m["kind"] == "Deployment")
+    kubernetes_validate.validate(dep, "1.33", strict=True)
+    template = dep["spec"]["template"]
+    pod = template["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}, {"name": "team-registry"}]
+    for key in ("serviceAccountName", "priorityClassName", "runtimeClassName", "schedulerName",
+                "affinity", "topologySpreadConstraints"):  # fmt: skip
+        assert pod[key] == OVERLAY[key], key
+    assert template["metadata"]["labels"]["team"] == "search"
+    assert template["metadata"]["labels"]["flowprefill.io/pool"] == "llama-prefill"
+    assert pod["nodeSelector"] == OVERLAY["nodeSelector"]
+    assert OVERLAY["tolerations"][0] in pod["tolerations"]
+    assert pod["securityContext"]["fsGroup"] == 2000 and pod["securityContext"]["runAsNonRoot"]
+    for container in [*pod["containers"], *pod["initContainers"]]:
+        assert env_of(container)["HTTPS_PROXY"] == "http://proxy:3128"  # downloads too
+        assert {"secretRef": {"name": "extra"}} in container["envFrom"]
+    assert {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True} in pod["containers"][0][
+        "volumeMounts"
+    ]
+    gateway = next(
+        m
+        for m in build_gateway_children(
+            [PoolRef("llama-prefill", "ns", "u", s)], build_slo_table([], [None], {}, {}), settings
+        )
+        if m["kind"] == "Deployment"
+    )["spec"]["template"]["spec"]
+    assert gateway["serviceAccountName"] == "gw-sa"
+    assert gateway["imagePullSecrets"] == [{"name": "registry-creds"}, {"name": "gw"}]
+    assert "team" not in gateway.get("nodeSelector", {})
+
+
+def test_an_overlay_mount_over_the_operators_is_refused_by_the_builder() -> None:
+    from flowprefill_operator.builders.overlay import OverlayConflict
+
+    raw = {"service": "llama", "role": "prefill", "model": {"uri": HF},
+           "pod": {"volumes": [{"name": "x", "emptyDir": {}}],
+                   "volumeMounts": [{"name": "x", "mountPath": "/tmp"}]}}  # fmt: skip
+    s = ServingPoolSpec.model_validate(raw)
+    with pytest.raises(OverlayConflict, match="/tmp"):
+        build_pool_children(PoolRef("p", "ns", "u", s), SETTINGS)
+    assert build_pool_children(PoolRef("p", "ns", "u", s), SETTINGS, overlay=False)

@@ -31,6 +31,7 @@ from .common import (
     pod_security_context,
 )
 from .model import tokenizer_dir, tokenizer_parts
+from .overlay import apply_pod_overlay
 from .pool import IMAGE, pool_port
 
 
@@ -96,9 +97,14 @@ def build_slo_table_configmap(pools: list[PoolRef], table: SLOTable) -> Manifest
 
 
 def build_gateway_children(
-    pools: list[PoolRef], table: SLOTable, settings: OperatorSettings
+    pools: list[PoolRef], table: SLOTable, settings: OperatorSettings, *, overlay: bool = True
 ) -> list[Manifest]:
-    """ConfigMaps, Deployment and Service of one service's gateway (``pools`` non-empty)."""
+    """ConfigMaps, Deployment and Service of one service's gateway (``pools`` non-empty).
+
+    The pod gets the operator-wide pull secrets and the ``gatewayPod`` overlay of the
+    pool the tokenizer comes from (``overlay=False``: without it); raises
+    :class:`OverlayConflict` when that overlay reuses one of the pod's volume names or
+    mount paths."""
     service, namespace = pools[0].spec.service, pools[0].namespace
     labels = component_labels(service, "gateway")
     owners = _owners(pools)
@@ -142,25 +148,29 @@ def build_gateway_children(
         "spec": {
             "replicas": settings.gateway_replicas,
             "selector": {"matchLabels": gateway_selector(service)},
-            "template": {
-                "metadata": {
-                    "labels": labels,
-                    # The SLO table is hot-reloaded; only gateway.json changes roll the pods.
-                    "annotations": {CONFIG_HASH: config_hash(config["data"])},
+            "template": apply_pod_overlay(
+                {
+                    "metadata": {
+                        "labels": labels,
+                        # The SLO table is hot-reloaded; only gateway.json changes roll pods.
+                        "annotations": {CONFIG_HASH: config_hash(config["data"])},
+                    },
+                    "spec": {
+                        "automountServiceAccountToken": False,
+                        "enableServiceLinks": False,
+                        "securityContext": pod_security_context(),
+                        "containers": [container],
+                        "volumes": volumes,
+                        **(
+                            {"initContainers": tokenizer.init_containers}
+                            if tokenizer.init_containers
+                            else {}
+                        ),
+                    },
                 },
-                "spec": {
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "securityContext": pod_security_context(),
-                    "containers": [container],
-                    "volumes": volumes,
-                    **(
-                        {"initContainers": tokenizer.init_containers}
-                        if tokenizer.init_containers
-                        else {}
-                    ),
-                },
-            },
+                tokenizer_pool(pools).spec.gateway_pod if overlay else None,
+                pull_secrets=settings.child_image_pull_secrets,
+            ),
         },
     }
     svc = {

@@ -39,6 +39,7 @@ from .common import (
     scratch_volumes,
 )
 from .model import model_dir, model_parts
+from .overlay import apply_pod_overlay
 
 IMAGE = Launcher.image()
 
@@ -199,7 +200,13 @@ def build_engine_configmap(pool: PoolRef) -> Manifest:
     return configmap(meta, {"engine.json": dumps(build_engine_config(pool.spec).model_dump())})
 
 
-def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: str) -> Manifest:
+def build_deployment(
+    pool: PoolRef, settings: OperatorSettings, config_digest: str, *, overlay: bool = True
+) -> Manifest:
+    """The pool's Deployment: its pod as the operator renders it, then the operator-wide
+    pull secrets and the pool's ``pod`` overlay (``overlay=False``: without the latter).
+    Raises :class:`OverlayConflict` when the overlay reuses one of the pod's volume names
+    or mount paths."""
     spec = pool.spec
     labels = component_labels(spec.service, spec.role) | pool_selector(pool.name)
     image = spec.image or (
@@ -264,10 +271,11 @@ def build_deployment(pool: PoolRef, settings: OperatorSettings, config_digest: s
         "spec": {
             "replicas": spec.replicas,  # the pool's /scale is the one owner of this number
             "selector": {"matchLabels": pool_selector(pool.name)},
-            "template": {
-                "metadata": {"labels": labels, "annotations": annotations},
-                "spec": pod_spec,
-            },
+            "template": apply_pod_overlay(
+                {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec},
+                spec.pod if overlay else None,
+                pull_secrets=settings.child_image_pull_secrets,
+            ),
         },
     }
 
@@ -292,14 +300,17 @@ def build_pool_service(pool: PoolRef) -> Manifest:
     }
 
 
-def build_pool_children(pool: PoolRef, settings: OperatorSettings) -> list[Manifest]:
-    """Every object one pool owns, in apply order (config before the pods that read it)."""
+def build_pool_children(
+    pool: PoolRef, settings: OperatorSettings, *, overlay: bool = True
+) -> list[Manifest]:
+    """Every object one pool owns, in apply order (config before the pods that read it).
+    Raises :class:`OverlayConflict` as :func:`build_deployment` does."""
     children: list[Manifest] = []
     digest = ""
     if pool.spec.role == "prefill":
         cm = build_engine_configmap(pool)
         digest = config_hash(cm["data"])
         children.append(cm)
-    children.append(build_deployment(pool, settings, digest))
+    children.append(build_deployment(pool, settings, digest, overlay=overlay))
     children.append(build_pool_service(pool))
     return children

@@ -20,6 +20,8 @@ from ..builders import (
     gateway_name,
     slo_table_name,
 )
+from ..builders.overlay import OverlayConflict
+from ..status import Problem
 from .common import Context
 
 
@@ -35,9 +37,11 @@ class JudgedClasses:
 
 def sync_gateway(
     ctx: Context, namespace: str, service: str, pools: list[PoolRef], classes: JudgedClasses
-) -> None:
+) -> list[Problem]:
     """Apply the service's gateway children for ``pools`` (all of one service), or delete
-    them when ``pools`` is empty."""
+    them when ``pools`` is empty. Returns what keeps the gateway from being applied as
+    specified: a ``gatewayPod`` overlay in conflict with the pod (its Deployment is then
+    left as it is)."""
     with ctx.locks("gateway", namespace, service):
         if not pools:
             for kind, child in (
@@ -47,8 +51,19 @@ def sync_gateway(
                 ("ConfigMap", slo_table_name(service)),
             ):
                 ctx.kube.delete(kind, namespace, child)
-            return
+            return []
         selectors = [p.spec.slo_class_selector for p in pools]
         table = build_slo_table(classes.views, selectors, classes.verdicts, classes.secrets)
-        for manifest in build_gateway_children(pools, table, ctx.settings):
+        problems: list[Problem] = []
+        try:
+            children = build_gateway_children(pools, table, ctx.settings)
+        except OverlayConflict as e:
+            problems.append(Problem("PodOverlayConflict", f"gatewayPod: {e}", invalid_spec=True))
+            children = [
+                m
+                for m in build_gateway_children(pools, table, ctx.settings, overlay=False)
+                if m["kind"] != "Deployment"
+            ]
+        for manifest in children:
             ctx.kube.apply(manifest)
+        return problems

@@ -24,6 +24,8 @@ from ..builders import (
     pool_selector,
     selector_string,
 )
+from ..builders.gateway import tokenizer_pool
+from ..builders.overlay import OverlayConflict
 from ..builders.pool import engine_configmap_name
 from ..kube import ApiError
 from ..models import ServingPoolSpec, ServingPoolStatus
@@ -154,12 +156,21 @@ def reconcile_pool(
         # The index may not hold this very version yet (a timer's body can be newer).
         peers = sorted([p for p in peers if p.name != name] + [pool], key=lambda p: p.name)
         problems = preflight(ctx, pool, peers)
-        blocked = any(p.blocks_pods for p in problems)
-        for manifest in build_pool_children(pool, ctx.settings):
+        try:
+            children = build_pool_children(pool, ctx.settings)
+        except OverlayConflict as e:
+            problems.append(Problem("PodOverlayConflict", f"pod: {e}", invalid_spec=True))
+            children = build_pool_children(pool, ctx.settings, overlay=False)
+        blocked = any(p.blocks_pods or p.invalid_spec for p in problems)
+        for manifest in children:
             if blocked and manifest["kind"] == "Deployment":
                 continue  # pods that cannot start: keep what runs (if anything) as it is
             ctx.kube.apply(manifest)
-        sync_gateway(ctx, namespace, spec.service, peers, judge(ctx, namespace, classes))
+        gateway_problems = sync_gateway(
+            ctx, namespace, spec.service, peers, judge(ctx, namespace, classes)
+        )
+        if gateway_problems and tokenizer_pool(peers).name == name:
+            problems += gateway_problems  # reported by the pool whose gatewayPod it is
         observed = Observed(
             generation=generation,
             desired_replicas=spec.replicas,
