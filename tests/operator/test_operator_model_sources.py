@@ -298,3 +298,47 @@ def test_an_overlay_mount_over_the_operators_is_refused_by_the_builder() -> None
     with pytest.raises(OverlayConflict, match="/tmp"):
         build_pool_children(PoolRef("p", "ns", "u", s), SETTINGS)
     assert build_pool_children(PoolRef("p", "ns", "u", s), SETTINGS, overlay=False)
+
+
+PROVISIONED_EVERYWHERE = {"emptyDir", "configMap", "secret", "projected", "downwardAPI"}
+
+
+def example_pools() -> list[PoolRef]:
+    import yaml
+
+    from tests.operator.crdcheck import ROOT
+
+    pools = []
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] == "PersistentVolumeClaim":
+                # A claim a managed cluster's default class cannot make (ReadOnlyMany on
+                # EBS/PD/Azure Disk), or one that would start empty and read-only.
+                assert doc["spec"]["accessModes"] == ["ReadWriteOnce"], path.name
+            if doc and doc["kind"] == "ServingPool":
+                spec_ = ServingPoolSpec.model_validate(doc["spec"])
+                pools.append(PoolRef(doc["metadata"]["name"], "ns", "u", spec_))
+    return pools
+
+
+def test_examples_use_sources_a_managed_cluster_provisions() -> None:
+    pools = example_pools()
+    assert pools
+    for ref in pools:
+        dep = next(m for m in build_pool_children(ref, SETTINGS) if m["kind"] == "Deployment")
+        for volume in dep["spec"]["template"]["spec"]["volumes"]:
+            kind = next(k for k in volume if k != "name")
+            if kind == "ephemeral":
+                claim = volume["ephemeral"]["volumeClaimTemplate"]["spec"]
+                assert claim["accessModes"] == ["ReadWriteOnce"], ref.name
+            else:
+                assert kind in PROVISIONED_EVERYWHERE, (ref.name, volume)
+    services = {ref.spec.service for ref in pools}
+    for service in services:
+        members = [p for p in pools if p.spec.service == service]
+        table = build_slo_table([], [None], {}, {})
+        gateway = next(
+            m for m in build_gateway_children(members, table, SETTINGS) if m["kind"] == "Deployment"
+        )
+        names = {v["name"] for v in gateway["spec"]["template"]["spec"]["volumes"]}
+        assert not names & {"model", "model-cache"}, service  # no weights in the gateway
