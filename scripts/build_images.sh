@@ -166,8 +166,8 @@ py312_base() {
         --exclude='./lib/python3.12/lib-dynload/_tkinter*' --exclude='./lib/python3.12/config-3.12-*' \
         --exclude='./lib/python3.12/site-packages/*' --exclude='./lib/pkgconfig' \
         --exclude='./include' --exclude='./share' --exclude='./bin/*' \
-        --exclude='*.a' --exclude='__pycache__' \
-        lib bin | tar -C "$mnt/usr/local" -x
+        --exclude='*.a' \
+        ./lib ./bin | tar -C "$mnt/usr/local" -x
     cp -a "$PY312/bin/python3.12" "$mnt/usr/local/bin/"
     ln -s python3.12 "$mnt/usr/local/bin/python3"
     ln -s python3 "$mnt/usr/local/bin/python"

@@ -10,9 +10,11 @@ exit status), so the conditions of the operator's pods are set up here with the 
   and PVCs are bound read-only; ``/proc`` and the host's ``/dev`` are mounted as a runtime
   would;
 - the process runs as the image's ``USER``, which must be numeric and not 0
-  (``runAsNonRoot`` refuses a name it cannot verify), with no supplementary groups, no
-  capabilities and ``no_new_privs`` (``allowPrivilegeEscalation: false``), in its own
-  mount and PID namespaces (it shares the host's network: ports are picked free).
+  (``runAsNonRoot`` refuses a name it cannot verify), or as the UID and GID a platform
+  picks (``run_as``: OpenShift's restricted-v2 runs an arbitrary UID such as 1000650000
+  with GID 0 and no passwd entry), with no supplementary groups, no capabilities and
+  ``no_new_privs`` (``allowPrivilegeEscalation: false``), in its own mount and PID
+  namespaces (it shares the host's network: ports are picked free).
 
 :func:`inspect_processes` reads back, for every process of the image, what the kernel says
 about it (``/proc/<pid>/status`` and its mount table), so the checks do not trust the
@@ -127,11 +129,15 @@ def run_in_image(
     env: Mapping[str, str],
     mounts: PodMounts,
     name: str,
+    run_as: tuple[int, int] | None = None,
 ) -> Iterator[Sandboxed]:
     """Start ``argv`` in ``image`` (env: the image's, overridden by ``env``, as Kubernetes
-    merges a container's env); stops it and removes the working container on exit."""
+    merges a container's env) as the image's USER, or as ``run_as`` (uid, gid) where the
+    platform assigns one; stops it and removes the working container on exit."""
     config = ImageConfig.of(image)
-    uid, gid = config.uid_gid()
+    uid, gid = config.uid_gid()  # checked even with run_as: runAsNonRoot reads the image's
+    if run_as is not None:
+        uid, gid = run_as
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     tag = f"{name}-{os.getpid()}"  # two smoke runs at once must not share a container or log
     ctr = _buildah("from", "--pull=never", "--name", f"flowprefill-smoke-{tag}", image)
@@ -251,15 +257,23 @@ def inspect_processes(run: Sandboxed) -> list[ProcessFacts]:
     return facts
 
 
-def check_hardened(facts: Sequence[ProcessFacts], uid: int, empty_dirs: Sequence[str]) -> None:
+def check_hardened(
+    facts: Sequence[ProcessFacts], uid: int, empty_dirs: Sequence[str], gid: int | None = None
+) -> None:
     """Raise AssertionError unless every process is ``uid`` with nothing to escalate to, on
-    a read-only root whose only writable mounts are the pod's emptyDirs."""
+    a read-only root whose only writable mounts are the pod's emptyDirs. ``gid``: the GID
+    the platform assigned (OpenShift: 0), the only group allowed; None: any but 0."""
     assert facts, "no process of the image is running"
     expected = {d for d in empty_dirs if not d.startswith("/dev/")}  # /dev/shm: not listed
     for f in facts:
         where = f"pid {f.pid} ({f.command[:80]})"
         assert set(f.uids) == {uid}, f"{where}: uids {f.uids}, expected {uid}"
-        assert 0 not in f.gids and 0 not in f.groups, f"{where}: gids {f.gids} {f.groups}"
+        if gid is None:
+            assert 0 not in f.gids and 0 not in f.groups, f"{where}: gids {f.gids} {f.groups}"
+        else:
+            assert set(f.gids) == {gid} and set(f.groups) <= {gid}, (
+                f"{where}: gids {f.gids} groups {f.groups}, expected only {gid}"
+            )
         assert f.no_new_privs, f"{where}: no_new_privs not set"
         assert f.cap_eff == 0, f"{where}: effective capabilities {f.cap_eff:#x}"
         assert f.root_read_only, f"{where}: / is not mounted read-only"
@@ -279,12 +293,15 @@ for folder in sys.argv[1:]:
 """
 
 
-def probe_writes(image: str, mounts: PodMounts, name: str) -> dict[str, str]:
-    """Try to create a file, as the image's user, in each emptyDir and in /, /etc, /opt,
-    /usr and the workdir: the kernel's answer per folder (``writable``, ``EROFS``, ...)."""
+def probe_writes(
+    image: str, mounts: PodMounts, name: str, run_as: tuple[int, int] | None = None
+) -> dict[str, str]:
+    """Try to create a file, as the image's user (or ``run_as``), in each emptyDir and in
+    /, /etc, /opt, /usr and the workdir: the kernel's answer per folder (``writable``,
+    ``EROFS``, ...)."""
     folders = [*mounts.empty_dirs, "/", "/etc", "/opt", "/usr", ImageConfig.of(image).workdir]
     argv = ["python3", "-c", _WRITE_PROBE, *folders]
-    with run_in_image(image, argv, {}, mounts, f"{name}-writes") as run:
+    with run_in_image(image, argv, {}, mounts, f"{name}-writes", run_as) as run:
         if run.proc.wait(timeout=120) != 0:
             raise AssertionError(run.output()[-2000:])
         answers = dict(line.rsplit(" ", 1) for line in run.output().splitlines() if line.strip())

@@ -48,7 +48,8 @@ def test_prefill_pod_becomes_tmpfs_emptydirs_and_read_only_config_and_model(
     assert "$(" not in " ".join(argv) + " ".join(env.values())  # POD_IP etc. expanded
     assert env["HOME"] == "/tmp"
     assert sorted(mounts.empty_dirs) == ["/dev/shm", "/tmp"]
-    assert mounts.read_only[smoke_images.MODEL_MOUNT] == model
+    # pvc://models/tiny-llama: the claim's subdirectory, read-only where the engine reads it.
+    assert mounts.read_only[smoke_images.MODEL_MOUNT] == model / smoke_images.MODEL
     engine = mounts.read_only[ENGINE_CONFIG_PATH]  # a subPath mount: the one file
     assert engine.is_file() and '"model_path"' in engine.read_text()
 
