@@ -3,7 +3,10 @@
 kmock's emulator, subclassed to enforce RBAC on the operator's requests: allowed are the
 rules of the chart's Role in each watched namespace and API discovery (``/api``, ``/apis``:
 open to every authenticated user through Kubernetes' ``system:discovery``); everything
-else, cluster-wide lists and watches included, is 403. The operator runs as ``kopf run``
+else, cluster-wide lists and watches included, is 403. Creating an object with
+``blockOwnerDeletion`` on an ownerReference also needs update on the owner's
+``/finalizers`` (the OwnerReferencesPermissionEnforcement admission plugin, on in
+OpenShift). The operator runs as ``kopf run``
 with the arguments of the chart's Deployment. Examples applied in the watched namespace get
 their children and status; the only requests refused are the ones kopf falls back from
 (listing namespaces, watching CRDs), so nothing cluster-wide is needed.
@@ -11,6 +14,7 @@ their children and status; the only requests refused are the ones kopf falls bac
 
 from __future__ import annotations
 
+import base64
 import copy
 import os
 import subprocess
@@ -81,12 +85,28 @@ class RBACEmulator(ClusterEmulator):
             verb = verb or ("patch" if method == "PATCH" else "update")
             resource = res.plural + (f"/{request.subresource}" if request.subresource else "")
             self.checked += 1
-            if not self._permits(verb, res.group or "", resource, request.namespace):
-                self.refused.add((verb, f"{res.group or 'core'}/{resource}", request.namespace))
-                return await self._render_error(
-                    kmock.KubernetesError(status=403, reason="Forbidden", message="RBAC")
-                )
+            needed = [(verb, res.group or "", resource)]
+            if verb == "create":
+                needed += self._owner_permissions(request.data)
+            for verb_, group, resource_ in needed:
+                if not self._permits(verb_, group, resource_, request.namespace):
+                    self.refused.add((verb_, f"{group or 'core'}/{resource_}", request.namespace))
+                    return await self._render_error(
+                        kmock.KubernetesError(status=403, reason="Forbidden", message="RBAC")
+                    )
         return await super()._handle(request)
+
+    @staticmethod
+    def _owner_permissions(body: Any) -> list[tuple[str, str, str]]:
+        """OwnerReferencesPermissionEnforcement (OpenShift enables it): an object created
+        with blockOwnerDeletion on an ownerReference needs update on the owner's
+        finalizers subresource (owner kinds here are plural by a trailing s)."""
+        owners = ((body or {}).get("metadata") or {}).get("ownerReferences") or []
+        return [
+            ("update", ref["apiVersion"].rpartition("/")[0], f"{ref['kind'].lower()}s/finalizers")
+            for ref in owners
+            if ref.get("blockOwnerDeletion")
+        ]
 
 
 def _kubeconfig(emulator: EmulatorThread, path: Path, token: str | None) -> Path:
@@ -102,7 +122,11 @@ def _kubeconfig(emulator: EmulatorThread, path: Path, token: str | None) -> Path
 def namespaced(
     tmp_path_factory: pytest.TempPathFactory, repo_root: Path
 ) -> Iterator[dict[str, Any]]:
-    docs = render("--set", "watch.scope=namespaced", "--set", f"watch.namespaces={{{WATCHED}}}")
+    docs = render(
+        "--set", "watch.scope=namespaced", "--set", f"watch.namespaces={{{WATCHED}}}",
+        # No Hub here: the value an offline cluster sets (the pods' download step reports).
+        "--set", "modelSources.check=false",
+    )  # fmt: skip
     rules = {d["metadata"]["namespace"]: d["rules"] for d in docs if d["kind"] == "Role"}
     assert set(rules) == {WATCHED}
     dep = next(d for d in docs if d["kind"] == "Deployment")
@@ -153,6 +177,16 @@ def test_the_chart_role_is_enough_in_namespaced_mode(
 ) -> None:
     kube, emu = namespaced["kube"], namespaced["emulator"]
     for ns in (WATCHED, "team-b"):
+        # The examples' hf:// pools read their Hub token from this Secret (the operator
+        # holds pods back while it is missing).
+        kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "hf-token", "namespace": ns},
+                "data": {"HF_TOKEN": base64.b64encode(b"hf_example").decode()},
+            }
+        )
         _apply(kube, repo_root / "examples" / "slo-classes.yaml", ns)
         _apply(kube, repo_root / "examples" / "llama3-8b.yaml", ns)
 
