@@ -15,7 +15,9 @@ from tests.operator.crdcheck import load_crds, validate_cr
 from tests.operator.helm import DIST, find_helm
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "flowprefill"
-K8S = "1.33"
+# The chart's kubeVersion floor, the version most clusters run, and the first with
+# ImageVolume on by default (the admission policy is rendered below it).
+K8S_VERSIONS = ["1.30", "1.33", "1.35"]
 
 CASES: dict[str, list[str]] = {
     "default": [],
@@ -50,7 +52,22 @@ CASES: dict[str, list[str]] = {
         "networkPolicy.kvOverHttp=false",
     ],
     "no-policies": ["--set", "networkPolicy.enabled=false"],
-}
+    "own-registry": [
+        "--set", "image.registry=registry.example.com:5000/ml",
+        "--set", "image.tag=2026.11.1",
+        "--set", "imagePullSecrets[0].name=regcred",
+        "--set", "children.decodeImage=registry.example.com:5000/vllm/decode@sha256:" + "b" * 64,
+        "--set", "modelSources.hfEndpoint=https://hf-mirror.example.com:8443",
+        "--set", "modelSources.hubCIDRs={10.20.0.0/16}",
+        "--set", "networkPolicy.apiServerCIDRs={10.96.0.1/32}",
+    ],
+    "offline-openshift": [
+        "--set", "modelSources.check=false",
+        "--set", "modelSources.imageVolumes=disabled",
+        "--set", "watch.scope=namespaced",
+        "--set", "watch.namespaces={team-a,team-b}",
+    ],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +94,10 @@ def test_helm_lint(helm: Path, case: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("k8s", K8S_VERSIONS)
 @pytest.mark.parametrize("case", CASES)
-def test_rendered_manifests_validate(helm: Path, case: str) -> None:
-    docs = template(helm, CASES[case], "--include-crds")
+def test_rendered_manifests_validate(helm: Path, case: str, k8s: str) -> None:
+    docs = template(helm, CASES[case], "--include-crds", "--kube-version", f"{k8s}.0")
     crds = load_crds(CHART / "crds")
     kinds = set()
     for doc in docs:
@@ -93,8 +111,13 @@ def test_rendered_manifests_validate(helm: Path, case: str) -> None:
         elif doc["apiVersion"].startswith("kopf.dev/"):
             assert (doc["apiVersion"], doc["kind"]) in crds
         else:
-            kubernetes_validate.validate(doc, K8S, strict=True)
+            kubernetes_validate.validate(doc, k8s, strict=True)
     assert {"Deployment", "ServiceAccount", "CustomResourceDefinition"} <= kinds
+    # Below 1.35 (or with image volumes disabled) the ImageVolume gate is rendered, and
+    # validated above like everything else.
+    gated = k8s != "1.35" or "modelSources.imageVolumes=disabled" in CASES[case]
+    assert gated == ("ValidatingAdmissionPolicy" in kinds), kinds
+    assert gated == ("ValidatingAdmissionPolicyBinding" in kinds), kinds
     for doc in docs:
         if doc["apiVersion"].startswith("flowprefill.io/"):
             assert validate_cr(doc, crds) == []
@@ -162,6 +185,9 @@ NEEDED = {
     ("flowprefill.io", "servingpools/status"): ["patch"],
     ("flowprefill.io", "sloclasses/status"): ["patch"],
     ("flowprefill.io", "servingpools/scale"): ["patch"],
+    # blockOwnerDeletion on the children's ownerReferences (OwnerReferencesPermission-
+    # Enforcement, on in OpenShift; test_namespaced_rbac.py enforces it).
+    ("flowprefill.io", "servingpools/finalizers"): ["update"],
     ("apps", "deployments"): ["get", "create", "patch", "delete"],
     ("", "services"): ["get", "create", "patch", "delete"],
     ("", "configmaps"): ["get", "create", "patch", "delete"],
@@ -255,3 +281,250 @@ def test_grafana_dashboard_covers_the_paper_metrics(helm: Path) -> None:
     ):
         assert metric in exprs
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+# --------------------------------------------------------- OpenShift: UIDs, restricted
+
+UID_KEYS = {"runAsUser", "runAsGroup", "fsGroup", "supplementalGroups"}
+
+
+def _keys(node: Any, path: str = "") -> list[tuple[str, Any]]:
+    """Every (dotted path, value) of a manifest, recursively."""
+    if isinstance(node, dict):
+        return [
+            kv for k, v in node.items() for kv in [(f"{path}.{k}", v), *_keys(v, f"{path}.{k}")]
+        ]
+    if isinstance(node, list):
+        return [kv for i, v in enumerate(node) for kv in _keys(v, f"{path}[{i}]")]
+    return []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_rendered_object_hard_codes_a_uid(helm: Path, case: str) -> None:
+    """OpenShift's restricted-v2 SCC assigns each namespace a UID range and refuses pods
+    asking for a UID outside it: the chart sets none (the image's numeric USER applies,
+    or the assigned one). CRDs are not scanned: their schemas name these fields."""
+    docs = template(helm, CASES[case], "--kube-version", "1.30.0")
+    found = [
+        (d["kind"], path)
+        for d in docs
+        for path, _ in _keys(d)
+        if path.rsplit(".", 1)[-1] in UID_KEYS
+    ]
+    assert found == []
+
+
+def test_a_user_set_security_context_renders(helm: Path) -> None:
+    docs = template(
+        helm,
+        [
+            "--set", "podSecurityContext.runAsUser=1000680000",
+            "--set", "podSecurityContext.fsGroup=1000680000",
+            "--set", "securityContext.runAsGroup=1000680000",
+        ],
+    )  # fmt: skip
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == 1000680000
+    assert pod["securityContext"]["fsGroup"] == 1000680000
+    assert pod["securityContext"]["runAsNonRoot"] is True  # the defaults stay
+    assert pod["containers"][0]["securityContext"]["runAsGroup"] == 1000680000
+    assert pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+RESTRICTED_VOLUMES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+    "projected", "secret",
+}  # fmt: skip
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """The Pod Security Standard "restricted" (what OpenShift's restricted-v2 SCC also
+    demands, less its UID range) for a pod spec: a list of what breaks it."""
+    out = []
+    psc = pod.get("securityContext") or {}
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(flag):
+            out.append(flag)
+    for volume in pod.get("volumes", []):
+        if not set(volume) - {"name"} <= RESTRICTED_VOLUMES:
+            out.append(f"volume {volume['name']}")
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc = c.get("securityContext") or {}
+        name = c["name"]
+        if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")):
+            out.append(f"{name}: runAsNonRoot")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            out.append(f"{name}: runAsUser 0")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: seccompProfile")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation")
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in caps.get("drop", []):
+            out.append(f"{name}: capabilities drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: capabilities add")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{name}: hostPort")
+    return out
+
+
+def _operator_pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod: dict[str, Any] = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]
+    return pod["spec"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_operator_pod_passes_restricted(helm: Path, case: str) -> None:
+    pod = _operator_pod(template(helm, CASES[case]))
+    assert restricted_violations(pod) == []
+    container = pod["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # kopf's identity (getpass.getuser) must not need a passwd entry for the UID.
+    assert {"name": "USER", "value": "flowprefill"} in container["env"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "violation"),
+    [
+        ("securityContext.allowPrivilegeEscalation=true", "operator: allowPrivilegeEscalation"),
+        ("podSecurityContext.runAsNonRoot=false", "operator: runAsNonRoot"),
+        ("podSecurityContext.seccompProfile.type=Unconfined", "operator: seccompProfile"),
+        ("securityContext.capabilities.drop=null", "operator: capabilities drop ALL"),
+    ],
+)
+def test_the_restricted_check_can_fail(helm: Path, setting: str, violation: str) -> None:
+    pod = _operator_pod(template(helm, ["--set", setting]))
+    assert violation in restricted_violations(pod)
+
+
+@pytest.mark.parametrize("case", ["default", "namespaced", "ha-namespaced"])
+def test_every_role_grants_the_pools_finalizers(helm: Path, case: str) -> None:
+    """Each Role (one per watched namespace) or the ClusterRole on its own grants update
+    on servingpools/finalizers, and nothing more on any finalizers."""
+    docs = template(helm, CASES[case])
+    roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+    assert roles
+    for role in roles:
+        assert _allowed(role["rules"], "flowprefill.io", "servingpools/finalizers", "update")
+        for rule in role["rules"]:
+            if any(r.endswith("/finalizers") for r in rule["resources"]):
+                assert rule == {
+                    "apiGroups": ["flowprefill.io"],
+                    "resources": ["servingpools/finalizers"],
+                    "verbs": ["update"],
+                }
+
+
+# ------------------------------------------------------ images and operator settings
+
+
+def _env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    container = _operator_pod(docs)["containers"][0]
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def _settings(docs: list[dict[str, Any]]) -> Any:
+    from flowprefill_operator.settings import ENV_PREFIX, OperatorSettings
+
+    env = _env(docs)
+    for name in env:  # every variable the chart sets is one the operator reads
+        if name.startswith(ENV_PREFIX):
+            assert name[len(ENV_PREFIX) :].lower() in OperatorSettings.model_fields, name
+    return OperatorSettings.from_env(env)
+
+
+def _images(docs: list[dict[str, Any]]) -> dict[str, str]:
+    settings = _settings(docs)
+    return {
+        "operator": _operator_pod(docs)["containers"][0]["image"],
+        "prefill": settings.prefill_image,
+        "decode": settings.decode_image,
+        "gateway": settings.gateway_image,
+    }
+
+
+def test_images_follow_one_registry_and_tag(helm: Path) -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    names = ("operator", "prefill", "decode", "gateway")
+    default = _images(template(helm, []))
+    assert default == {n: f"ghcr.io/flowprefill/{n}:{app_version}" for n in names}
+
+    moved = ["--set", "image.registry=registry.example.com:5000/ml/", "--set", "image.tag=v2"]
+    assert _images(template(helm, moved)) == {
+        n: f"registry.example.com:5000/ml/{n}:v2" for n in names
+    }
+    # Per-image overrides win for that image alone; the operator's digest pins it.
+    digest = "sha256:" + "c" * 64
+    overrides = [
+        *moved,
+        "--set", "children.decodeImage=vllm.example/decode@" + digest,
+        "--set", "image.repository=mirror.example/flowprefill-operator",
+        "--set", "image.digest=" + digest,
+    ]  # fmt: skip
+    one_off = _images(template(helm, overrides))
+    assert one_off == {
+        "operator": "mirror.example/flowprefill-operator@" + digest,
+        "prefill": "registry.example.com:5000/ml/prefill:v2",
+        "decode": "vllm.example/decode@" + digest,
+        "gateway": "registry.example.com:5000/ml/gateway:v2",
+    }
+
+
+def test_children_pull_secrets_default_to_the_charts(helm: Path, tmp_path: Path) -> None:
+    def secrets(*args: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(the operator pod's own pull secrets, the ones it puts on children)."""
+        docs = template(helm, list(args))
+        own = tuple(s["name"] for s in _operator_pod(docs).get("imagePullSecrets", []))
+        return own, tuple(_settings(docs).child_image_pull_secrets)
+
+    assert secrets() == ((), ())
+    chart = ["--set", "imagePullSecrets[0].name=regcred", "--set", "imagePullSecrets[1].name=b"]
+    assert secrets(*chart) == (("regcred", "b"), ("regcred", "b"))
+    child = ["--set", "children.imagePullSecrets[0].name=child"]
+    assert secrets(*chart, *child) == (("regcred", "b"), ("child",))
+    none = tmp_path / "none.yaml"  # [] (not null): the children get none
+    none.write_text("children:\n  imagePullSecrets: []\n")
+    assert secrets(*chart, "-f", str(none)) == (("regcred", "b"), ())
+
+
+def test_model_source_settings(helm: Path) -> None:
+    default = _settings(template(helm, []))
+    assert default.model_check is True and default.hf_endpoint is None
+    assert "FLOWPREFILL_OPERATOR_HF_ENDPOINT" not in _env(template(helm, []))
+    mirror = "https://hf-mirror.example.com"
+    set_ = _settings(
+        template(
+            helm,
+            ["--set", "modelSources.check=false", "--set", f"modelSources.hfEndpoint={mirror}"],
+        )
+    )
+    assert set_.model_check is False and set_.hf_endpoint == mirror
+
+
+def test_new_values_are_checked(helm: Path) -> None:
+    for bad in (
+        "modelSources.imageVolumes=sometimes",
+        "modelSources.hfEndpoint=hf-mirror.example.com",  # no scheme
+        "modelSources.hubCIDRs={0.0.0.0}",
+        "image.registry=",
+        "image.tag=a:b",
+        "children.imagePullSecrets[0].nam=x",
+    ):
+        refused = run(helm, "template", "fp", str(CHART), "--set", bad)
+        assert refused.returncode != 0, bad
+
+
+def test_notes_say_no_images_are_published(helm: Path) -> None:
+    out = run(
+        helm, "install", "fp", str(CHART), "-n", "flowprefill-system", "--dry-run=client",
+        "--set", "image.registry=registry.example.com/ml",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert "No public FlowPrefill images are published" in notes
+    assert "docs/images.md" in notes
+    assert "registry.example.com/ml/prefill:" in notes
