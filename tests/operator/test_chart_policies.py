@@ -100,6 +100,7 @@ def operator_pod(docs: list[Manifest]) -> Pod:
 PROMETHEUS = Pod("monitoring", {"app.kubernetes.io/name": "prometheus"}, ip="10.244.9.9")
 CLIENT = Pod("apps", {"app": "chat-frontend"}, ip="10.244.7.7")
 API_SERVER = Pod("default", {"component": "apiserver"}, ip="10.96.0.1")
+HUB = Pod("internet", {}, ip="18.160.1.2")  # outside the cluster: matched by ipBlock alone
 
 
 def test_ports_and_labels_agree_with_the_contracts_and_builders() -> None:
@@ -195,6 +196,7 @@ def test_values_tighten_the_defaults() -> None:
         "--set", "networkPolicy.metricsFrom=null",
         "--set", "networkPolicy.apiServerCIDRs={10.96.0.1/32}",
         "--set", "networkPolicy.apiServerPorts={443}",
+        "--set", "modelSources.hubCIDRs={18.160.0.0/16}",
     ]  # fmt: skip
     docs = render(*args)
     nps = [d for d in docs if d["kind"] == "NetworkPolicy"]
@@ -214,8 +216,41 @@ def test_values_tighten_the_defaults() -> None:
     assert allowed(nps, operator, API_SERVER, 443)
     assert not allowed(nps, operator, API_SERVER, 6443)
     assert not allowed(nps, operator, Pod("default", {}, ip="192.168.1.1"), 443)
+    assert allowed(nps, operator, HUB, 443) and not allowed(nps, operator, HUB, 80)
     for p in nps:
         kubernetes_validate.validate(p, "1.33", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("args", "hub_port"),
+    [
+        ([], 443),
+        (["--set", "modelSources.check=false"], None),
+        (["--set", "modelSources.hfEndpoint=https://hf-mirror.example.com"], 443),
+        (["--set", "modelSources.hfEndpoint=http://hf-mirror.internal:8080/hub"], 8080),
+        (["--set", "modelSources.hfEndpoint=http://hf-mirror.internal"], 80),
+    ],
+)
+def test_the_operator_reaches_the_hub_only_to_check_models(
+    args: list[str], hub_port: int | None
+) -> None:
+    """modelSources.check: the operator asks the Hub (or hfEndpoint) about hf:// sources
+    before creating pods; its egress opens that port and no other. The API server's CIDR
+    is pinned so that its 443 rule does not let the Hub through on its own."""
+    pinned = ["--set", "networkPolicy.apiServerCIDRs={10.96.0.1/32}"]
+    docs = render(*pinned, *args)
+    nps = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    operator = operator_pod(docs)
+    for port in (443, 80, 8080, 22):
+        assert allowed(nps, operator, HUB, port) == (port == hub_port), port
+    assert allowed(nps, operator, API_SERVER, 443)
+    for p in nps:
+        kubernetes_validate.validate(p, "1.33", strict=True)
+    if hub_port is not None:  # hubCIDRs narrows the destination
+        narrowed = render(*pinned, *args, "--set", "modelSources.hubCIDRs={18.160.0.0/16}")
+        nps = [d for d in narrowed if d["kind"] == "NetworkPolicy"]
+        assert allowed(nps, operator, HUB, hub_port)
+        assert not allowed(nps, operator, Pod("x", {}, ip="104.16.0.1"), hub_port)
 
 
 def test_disabling_renders_no_policy() -> None:
@@ -239,7 +274,11 @@ NAMESPACED_MODES: dict[str, tuple[list[str], set[str]]] = {
         [*NAMESPACED, "--set", "replicaCount=2", "--set", "peering.enabled=true", *EVERYTHING],
         {"team-a", "team-b"},
     ),
+    "namespaced-kube-1.30": ([*NAMESPACED, "--kube-version", "1.30.0"], {"team-a", "team-b"}),
 }
+# Cluster-scoped objects a namespaced install may render: the ImageVolume admission gate
+# below Kubernetes 1.35 (it grants nothing; its binding matches only the watched namespaces).
+GRANT_FREE = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 
 
 @pytest.mark.parametrize("mode", NAMESPACED_MODES)
@@ -248,8 +287,17 @@ def test_namespaced_mode_grants_nothing_cluster_wide(mode: str) -> None:
     docs = render(*args)
     kinds = {d["kind"] for d in docs}
     assert not kinds & {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}, kinds
-    for doc in docs:  # nothing cluster-scoped at all (the CRDs come from crds/, not here)
+    for doc in docs:  # nothing cluster-scoped (the CRDs come from crds/, not here) but
+        # the admission gate, which binds only the watched namespaces
+        if doc["kind"] in GRANT_FREE:
+            selector = doc["spec"].get("matchResources", {}).get("namespaceSelector")
+            if doc["kind"] == "ValidatingAdmissionPolicyBinding":
+                (expr,) = selector["matchExpressions"]
+                assert set(expr["values"]) == watched and expr["operator"] == "In"
+            continue
         assert doc["metadata"].get("namespace"), f"{doc['kind']} {doc['metadata']['name']}"
+    if "--kube-version" in args:
+        assert kinds >= GRANT_FREE
     roles = [d for d in docs if d["kind"] == "Role"]
     bindings = [d for d in docs if d["kind"] == "RoleBinding"]
     assert {r["metadata"]["namespace"] for r in roles} == watched
