@@ -62,17 +62,21 @@ STAND_INS=0
 AUTHFILE=${REGISTRY_AUTH_FILE:-}
 REBUILD_BASES=0
 FROM_GIT=
+value() {  # option value: the value, or exit 2 naming the option
+    [ -n "${2:-}" ] && [ "${2#--}" = "$2" ] || { echo "build_images.sh: $1 needs a value (see --help)" >&2; exit 2; }
+    printf '%s' "$2"
+}
 while [ $# -gt 0 ]; do
     case $1 in
-        --registry) REGISTRY=${2:?--registry needs a registry/path}; REGISTRY=${REGISTRY%/}; shift 2 ;;
-        --tag) TAG=${2:?--tag needs a tag}; shift 2 ;;
+        --registry) REGISTRY=$(value "$1" "${2:-}"); REGISTRY=${REGISTRY%/}; shift 2 ;;
+        --tag) TAG=$(value "$1" "${2:-}"); shift 2 ;;
         --push) PUSH=1; shift ;;
-        --authfile) AUTHFILE=${2:?--authfile needs a file}; shift 2 ;;
+        --authfile) AUTHFILE=$(value "$1" "${2:-}"); shift 2 ;;
         --stand-ins) STAND_INS=1; shift ;;
-        --only) IFS=, read -r -a ONLY <<<"${2:?--only needs a comma-separated list}"; shift 2 ;;
+        --only) list=$(value "$1" "${2:-}"); IFS=, read -r -a ONLY <<<"$list"; shift 2 ;;
         --no-smoke) SMOKE=0; shift ;;
         --rebuild-bases) REBUILD_BASES=1; shift ;;
-        --from-git) FROM_GIT=${2:?--from-git needs a revision}; shift 2 ;;
+        --from-git) FROM_GIT=$(value "$1" "${2:-}"); shift 2 ;;
         -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build_images.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
