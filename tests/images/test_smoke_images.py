@@ -158,3 +158,30 @@ def test_image_smoke_run(name: str) -> None:
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert f"{name}: OK" in done.stdout
+
+
+ARBITRARY_FACTS = replace(
+    HARDENED, uids=(1000650000,) * 4, gids=(0,) * 4, groups=(0,)
+)  # what the kernel shows for OpenShift's restricted-v2: an assigned UID, GID 0
+
+
+def test_an_assigned_uid_with_gid_0_passes_when_the_platform_assigned_gid_0() -> None:
+    check_hardened([ARBITRARY_FACTS], 1000650000, ["/tmp"], gid=0)
+
+
+def test_gid_0_still_fails_where_the_run_was_the_images_own_user() -> None:
+    with pytest.raises(AssertionError, match="uids"):
+        check_hardened([ARBITRARY_FACTS], 10001, ["/tmp"])
+    with pytest.raises(AssertionError, match="gids"):
+        check_hardened([replace(ARBITRARY_FACTS, uids=(10001,) * 4)], 10001, ["/tmp"])
+
+
+def test_an_assigned_gid_allows_no_other_group() -> None:
+    other = replace(ARBITRARY_FACTS, groups=(0, 10001))
+    with pytest.raises(AssertionError, match="expected only 0"):
+        check_hardened([other], 1000650000, ["/tmp"], gid=0)
+
+
+def test_the_smoke_run_uses_an_arbitrary_uid_outside_the_images() -> None:
+    uid, gid = smoke_images.ARBITRARY
+    assert gid == 0 and uid not in (0, 10001)
