@@ -325,10 +325,10 @@ PYTHON_FACTS = (
 )
 
 
-def smoke_decode(image: str, connector_image: str, run_as: RunAs) -> None:
-    """``connector_image``: where the connector's import under vLLM runs, the decode image
-    itself when its base has vLLM (vLLM's image), else the same Dockerfile built on the CPU
-    vLLM stand-in (scripts/build_images.sh --stand-ins)."""
+def smoke_decode(image: str, fallback: str, run_as: RunAs) -> None:
+    """The connector's import under vLLM runs in the decode image itself when it has vLLM
+    (built on vLLM's image), else in ``fallback``: the same Dockerfile built on the CPU vLLM
+    stand-in (scripts/build_images.sh --stand-ins), which must then exist."""
     facts = run_to_end(image, ["python3", "-c", PYTHON_FACTS], "decode-python", run_as)
     major, minor, script, scripts_dir, has_vllm = facts.strip().splitlines()[-1].split()
     print(
@@ -337,9 +337,10 @@ def smoke_decode(image: str, connector_image: str, run_as: RunAs) -> None:
     )
     assert script != "None", "the flowprefill console script is not on PATH"
     smoke_fetch_model(image, "decode", run_as)
-    if has_vllm == "False" and connector_image == image:
-        raise AssertionError(f"{image} has no vLLM and no other image was given for the connector")
-    where = "" if connector_image == image else f" (in {connector_image})"
+    connector_image = image if has_vllm == "True" else fallback
+    if connector_image != image and not image_exists(connector_image):
+        raise AssertionError(f"{image} has no vLLM and {connector_image} was not built")
+    where = "" if connector_image == image else f" (in {connector_image}: {image} has no vLLM)"
     out = run_to_end(connector_image, ["python3", "-c", connector_code()], "decode", run_as)
     print(f"    {out.strip().splitlines()[-1]}{where}")
     mounts = PodMounts(empty_dirs=["/tmp"])
@@ -371,8 +372,9 @@ def main() -> None:
     parser.add_argument("--tag", default="dev")
     parser.add_argument(
         "--connector-image",
-        help="image the decode connector's import runs in (default: the decode image, or "
-        "localhost/flowprefill/decode-vllm-cpu:TAG where build_images.sh --stand-ins built it)",
+        help="where the decode connector's import runs if the decode image has no vLLM "
+        "(default localhost/flowprefill/decode-vllm-cpu:TAG, built by build_images.sh "
+        "--stand-ins)",
     )
     parser.add_argument("names", nargs="+", choices=["operator", "gateway", "prefill", "decode"])
     args = parser.parse_args()
@@ -401,8 +403,7 @@ def main() -> None:
                 smoke_operator(image, run_as)
             else:
                 standin = f"localhost/flowprefill/decode-vllm-cpu:{args.tag}"
-                connector = args.connector_image or (standin if image_exists(standin) else image)
-                smoke_decode(image, connector, run_as)
+                smoke_decode(image, args.connector_image or standin, run_as)
         print(f"  {name}: OK in {time.monotonic() - start:.0f} s")
 
 
