@@ -89,7 +89,8 @@ OPERATOR_ENV_PREFIX: Final = "FLOWPREFILL_OPERATOR_"
 POD_IP_ENV: Final = "POD_IP"
 
 OFFLINE_ENV: Final = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-"""Nothing downloads at run time: models and tokenizers come from local directories."""
+"""The serving processes download nothing: models and tokenizers come from local
+directories (in a pod, put there by its ``fetch-model`` step: flowprefill.fetch)."""
 
 
 def env_or(name: str, default: str) -> str:

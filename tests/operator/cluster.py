@@ -21,6 +21,8 @@ FAST = {
     "FLOWPREFILL_OPERATOR_ATTAINMENT_INTERVAL_S": "1",
     "FLOWPREFILL_OPERATOR_AUTOSCALE_INTERVAL_S": "1",
     "FLOWPREFILL_OPERATOR_SCRAPE_TIMEOUT_S": "1",
+    # No Hub in the emulated world (tests/operator/test_operator_hub_source.py brings one).
+    "FLOWPREFILL_OPERATOR_MODEL_CHECK": "false",
 }
 GROUP = "flowprefill.io/v1alpha1"
 

@@ -6,6 +6,7 @@ The operator runs with 1 s timers so that periodic work shows up quickly.
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -29,6 +30,10 @@ def test_operator_serves_its_probe(cluster: Cluster) -> None:
 def test_examples_make_the_expected_children(cluster: Cluster, repo_root: Path) -> None:
     ns = "e2e-examples"
     cluster.apply_file(repo_root / "examples" / "slo-classes.yaml", ns)
+    # The example's first step: the Hub token's Secret (kubectl create secret generic).
+    token = {"HF_TOKEN": base64.b64encode(b"hf_example").decode()}
+    create(cluster, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"},
+                     "data": token}, ns)  # fmt: skip
     cluster.apply_file(repo_root / "examples" / "llama3-8b.yaml", ns)
     wait_for(
         lambda: (

@@ -42,7 +42,7 @@ def test_unsatisfiable_specs_are_reported(cluster: Cluster) -> None:
     ns = "e2e-unsat"
     create(
         cluster,
-        pool("m-prefill", "m", model={"path": "/models/m", "pvc": {"claimName": "gone"}}),
+        pool("m-prefill", "m", model={"uri": "pvc://gone"}),
         ns,
     )
     wait_for(

@@ -47,7 +47,7 @@ def hub() -> Iterator[HubStandIn]:
 def hub_cluster(
     hub: HubStandIn, tmp_path_factory: pytest.TempPathFactory, repo_root: Path
 ) -> Iterator[Cluster]:
-    env = {"FLOWPREFILL_OPERATOR_HF_ENDPOINT": hub.url}
+    env = {"FLOWPREFILL_OPERATOR_HF_ENDPOINT": hub.url, "FLOWPREFILL_OPERATOR_MODEL_CHECK": "true"}
     with running_cluster(tmp_path_factory.mktemp("kmock"), repo_root, env) as c:
         yield c
 
@@ -70,7 +70,8 @@ def hub_pool(name: str, uri: str, token_secret: str | None) -> dict[str, Any]:
 
 def degraded(c: Cluster, ns: str, name: str) -> tuple[str, str, str]:
     status = c.get("ServingPool", ns, name).get("status") or {}
-    cond = next((x for x in status.get("conditions", []) if x["type"] == "Degraded"), {})
+    conditions: list[dict[str, str]] = status.get("conditions", [])
+    cond = next((x for x in conditions if x["type"] == "Degraded"), {})
     return cond.get("status", ""), cond.get("reason", ""), cond.get("message", "")
 
 

@@ -215,7 +215,7 @@ def test_model_checks_are_remembered_and_inconclusive_ones_let_pods_try() -> Non
     assert calls[4:] == ["hf://gone/model"]
 
 
-OVERLAY = {
+OVERLAY: dict[str, Any] = {
     "labels": {"team": "search"},
     "annotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
     "serviceAccountName": "llama-sa",
