@@ -100,6 +100,10 @@ def classify(error: BaseException, source: HubSource, *, token_from: str = "") -
             f"{uri}: repository not found (or private, and {who} cannot see it)",
             permanent=True,
         )
+    if isinstance(error, hf.OfflineModeIsEnabled):
+        return FetchFailure(
+            "ModelHubOffline", f"{uri}: HF_HUB_OFFLINE is set where the download runs", True
+        )
     if isinstance(error, hf.RemoteEntryNotFoundError):
         return FetchFailure("ModelFileNotFound", f"{uri}: {error}".splitlines()[0], True)
     if status == 401:

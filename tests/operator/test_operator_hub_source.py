@@ -47,7 +47,11 @@ def hub() -> Iterator[HubStandIn]:
 def hub_cluster(
     hub: HubStandIn, tmp_path_factory: pytest.TempPathFactory, repo_root: Path
 ) -> Iterator[Cluster]:
-    env = {"FLOWPREFILL_OPERATOR_HF_ENDPOINT": hub.url, "FLOWPREFILL_OPERATOR_MODEL_CHECK": "true"}
+    env = {
+        "FLOWPREFILL_OPERATOR_HF_ENDPOINT": hub.url,
+        "FLOWPREFILL_OPERATOR_MODEL_CHECK": "true",
+        "HF_HUB_OFFLINE": "0",  # the suite runs offline (.ci/run); an operator pod does not
+    }
     with running_cluster(tmp_path_factory.mktemp("kmock"), repo_root, env) as c:
         yield c
 

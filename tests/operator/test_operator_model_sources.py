@@ -67,7 +67,7 @@ def test_hub_source_downloads_in_an_init_step_and_serves_offline() -> None:
     assert step_env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     assert "HF_TOKEN" not in main_env
     assert step_env["HF_ENDPOINT"] == "https://hub.mirror.example"
-    assert "HF_HUB_OFFLINE" not in step_env and main_env["HF_HUB_OFFLINE"] == "1"
+    assert step_env["HF_HUB_OFFLINE"] == "0" and main_env["HF_HUB_OFFLINE"] == "1"
     assert step["terminationMessagePolicy"] == "FallbackToLogsOnError"
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["model-cache"] == {"name": "model-cache", "emptyDir": {"sizeLimit": "40Gi"}}

@@ -47,6 +47,9 @@ DOWNLOAD_ENV = [
     {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
     {"name": "HF_HOME", "value": "/tmp/.cache/huggingface"},
     {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    # The one container that must be online: explicit, whatever the image's environment
+    # says (the serving containers get HF_HUB_OFFLINE=1).
+    {"name": "HF_HUB_OFFLINE", "value": "0"},
     # hf-xet keeps a chunk cache (10 GB by default) under HF_HOME, on the pod's /tmp
     # emptyDir: the files land in the model cache already, so keep none.
     {"name": "HF_XET_CHUNK_CACHE_SIZE_BYTES", "value": "0"},
