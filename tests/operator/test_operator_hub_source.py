@@ -171,3 +171,31 @@ def test_download_step_lands_the_files_in_the_cache(
     assert failed.returncode == 2
     reason = (tmp_path / "other" / "termination-log").read_text()
     assert reason.startswith("ModelTokenRefused: hf://meta-llama/Llama-3.1-8B-Instruct")
+
+
+def test_a_failed_gateway_tokenizer_download_is_reported_by_its_pool(hub_cluster: Cluster) -> None:
+    c, ns = hub_cluster, "hub-gateway"
+    create(c, secret("hf-token", GOOD), ns)
+    create(c, hub_pool("tok", "hf://meta-llama/Llama-3.1-8B-Instruct", "hf-token"), ns)
+    wait_for(lambda: c.kube.get("Deployment", ns, "tok-gateway") is not None, what="gateway")
+    labels = c.get("Deployment", ns, "tok-gateway")["spec"]["selector"]["matchLabels"]
+    message = "ModelGated: hf://meta-llama/Llama-3.1-8B-Instruct is gated and ..."
+    gateway_pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "tok-gateway-abc", "labels": labels},
+        "spec": {"containers": [{"name": "gateway", "image": "i"}]},
+        "status": {
+            "phase": "Pending",
+            "initContainerStatuses": [
+                {
+                    "name": "fetch-tokenizer",
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 2, "message": message}},
+                }
+            ],
+        },
+    }
+    create(c, gateway_pod, ns)
+    wait_for(lambda: degraded(c, ns, "tok")[1] == "ModelGated", what="ModelGated from gateway")
+    assert "tok-gateway-abc: fetch-tokenizer" in degraded(c, ns, "tok")[2]

@@ -24,12 +24,14 @@ from ..builders import (
     pool_selector,
     selector_string,
 )
+from ..builders.common import gateway_selector
 from ..builders.gateway import tokenizer_pool
+from ..builders.model import FETCH_TOKENIZER_CONTAINER
 from ..builders.overlay import OverlayConflict
 from ..builders.pool import engine_configmap_name
 from ..kube import ApiError
 from ..models import ServingPoolSpec, ServingPoolStatus
-from ..status import Observed, Problem, fold_status
+from ..status import Observed, Problem, fold_status, pod_problems
 from .common import (
     POOLS,
     SETTINGS,
@@ -169,8 +171,16 @@ def reconcile_pool(
         gateway_problems = sync_gateway(
             ctx, namespace, spec.service, peers, judge(ctx, namespace, classes)
         )
-        if gateway_problems and tokenizer_pool(peers).name == name:
-            problems += gateway_problems  # reported by the pool whose gatewayPod it is
+        if tokenizer_pool(peers).name == name:
+            # Reported by the pool whose model (tokenizer) and gatewayPod the gateway uses:
+            # its overlay's conflicts, and its pods' failed tokenizer downloads.
+            problems += gateway_problems
+            gateway_pods = ctx.kube.list("Pod", namespace, gateway_selector(spec.service))
+            problems += [
+                p
+                for p in pod_problems(gateway_pods)
+                if p.reason.startswith("Model") and FETCH_TOKENIZER_CONTAINER in p.message
+            ]
         observed = Observed(
             generation=generation,
             desired_replicas=spec.replicas,
