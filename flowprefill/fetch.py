@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flowprefill.contracts.deployment import HF_TOKEN_SOURCE_ENV
 from flowprefill.contracts.model_uri import (
     TOKEN_ENV,
     TOKENIZER_FILES,
@@ -220,7 +221,7 @@ def fetch(
     except FetchFailure:
         raise
     except Exception as e:  # every failure leaves as a classified FetchFailure
-        named = os.environ.get(TOKEN_SOURCE_ENV, "") or (TOKEN_ENV if token else "")
+        named = os.environ.get(HF_TOKEN_SOURCE_ENV, "") or (TOKEN_ENV if token else "")
         raise classify(e, source, token_from=named) from e
 
 
@@ -249,11 +250,6 @@ def check(
     except Exception as e:  # classified below; the operator turns it into a condition
         return classify(e, source, token_from=token_from)
     return None
-
-
-TOKEN_SOURCE_ENV = "FLOWPREFILL_HF_TOKEN_SOURCE"
-"""Set by the operator on download steps: where ``HF_TOKEN`` comes from (``Secret NAME
-key KEY``), so that a refused token's message names what to fix."""
 
 
 def write_termination_message(failure: FetchFailure, path: str = TERMINATION_LOG) -> None:

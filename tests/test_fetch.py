@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from huggingface_hub import constants
 
+from flowprefill.contracts.deployment import HF_TOKEN_SOURCE_ENV
 from flowprefill.contracts.model_uri import HubSource, hub_local_dir, parse_model_uri
 from flowprefill.fetch import MARKER, FetchFailure, check, fetch, select_files
 from tests.hub_standin import HubStandIn, Repo
@@ -133,7 +134,7 @@ def test_cli_exit_codes_progress_and_termination_message(hub: HubStandIn, tmp_pa
     # A complete copy is used as it is whatever the token; a new cache needs the files.
     base[2] = str(tmp_path / "other")
     refused = cli(base, {"HF_ENDPOINT": hub.url, "HF_TOKEN": OTHER,
-                         "FLOWPREFILL_HF_TOKEN_SOURCE": "Secret hf key HF_TOKEN"})  # fmt: skip
+                         HF_TOKEN_SOURCE_ENV: "Secret hf key HF_TOKEN"})  # fmt: skip
     assert refused.returncode == 2
     assert log.read_text().startswith("ModelGated: hf://org/gated is gated and the token from "
                                       "Secret hf key HF_TOKEN")  # fmt: skip

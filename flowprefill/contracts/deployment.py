@@ -83,6 +83,9 @@ VLLM_IDLE_SPIN_ENV: Final = "FLOWPREFILL_VLLM_IDLE_SPIN_S"
 CPU_VLLM_IDLE_SPIN_S: Final = "0.005"
 """The cap for decode on CPU hosts shared with prefill (docs/kv.md: 0 makes decode 1.75x
 slower, 5 ms is no slower than vLLM's default)."""
+HF_TOKEN_SOURCE_ENV: Final = "FLOWPREFILL_HF_TOKEN_SOURCE"
+"""A pod's download step (set by the operator): where its ``HF_TOKEN`` comes from
+(``Secret NAME key KEY``), so that a refused token's message names what to fix."""
 OPERATOR_ENV_PREFIX: Final = "FLOWPREFILL_OPERATOR_"
 """The operator's settings (flowprefill_operator.settings)."""
 

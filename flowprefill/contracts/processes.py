@@ -185,3 +185,18 @@ def gateway_process(
         port=port,
         ready_path=READY_PATH,
     )
+
+
+def fetch_model_argv(
+    launcher: Launcher, uri: str, dest: str, *, tokenizer_only: bool = False
+) -> list[str]:
+    """``flowprefill fetch-model``: a pod's download step (an init container, no port),
+    ``uri`` (``hf://``) into ``dest``; ``tokenizer_only`` for the gateway."""
+    return [
+        *launcher.flowprefill,
+        "fetch-model",
+        uri,
+        "--dest",
+        dest,
+        *(["--tokenizer-only"] if tokenizer_only else []),
+    ]

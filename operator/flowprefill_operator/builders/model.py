@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowprefill.contracts.deployment import HF_TOKEN_SOURCE_ENV, OFFLINE_ENV
 from flowprefill.contracts.model_uri import (
     MODEL_CACHE_MOUNT,
     PVC_MOUNT,
@@ -27,7 +28,7 @@ from flowprefill.contracts.model_uri import (
     HubSource,
     hub_local_dir,
 )
-from flowprefill.fetch import TOKEN_SOURCE_ENV
+from flowprefill.contracts.processes import Launcher, fetch_model_argv
 
 from ..models.modelsource import ModelSource
 from ..settings import OperatorSettings
@@ -48,8 +49,8 @@ DOWNLOAD_ENV = [
     {"name": "HF_HOME", "value": "/tmp/.cache/huggingface"},
     {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     # The one container that must be online: explicit, whatever the image's environment
-    # says (the serving containers get HF_HUB_OFFLINE=1).
-    {"name": "HF_HUB_OFFLINE", "value": "0"},
+    # says (the serving containers get OFFLINE_ENV).
+    *({"name": name, "value": "0"} for name in OFFLINE_ENV),
     # hf-xet keeps a chunk cache (10 GB by default) under HF_HOME, on the pod's /tmp
     # emptyDir: the files land in the model cache already, so keep none.
     {"name": "HF_XET_CHUNK_CACHE_SIZE_BYTES", "value": "0"},
@@ -138,11 +139,9 @@ def _download_step(
     if ref is not None:
         env += [
             {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}},
-            {"name": TOKEN_SOURCE_ENV, "value": f"Secret {ref.name} key {ref.key}"},
+            {"name": HF_TOKEN_SOURCE_ENV, "value": f"Secret {ref.name} key {ref.key}"},
         ]
-    command = ["flowprefill", "fetch-model", source.uri, "--dest", dest]
-    if tokenizer_only:
-        command.append("--tokenizer-only")
+    command = fetch_model_argv(Launcher.image(), source.uri, dest, tokenizer_only=tokenizer_only)
     return {
         "name": name,
         "image": image,
