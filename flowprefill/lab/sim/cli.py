@@ -26,6 +26,7 @@ from flowprefill.errors import FlowPrefillError, InvalidRequestError
 from flowprefill.lab.sim.config import CostSpec, SweepConfig, WorkloadSpec
 from flowprefill.lab.sim.cost import TP_CHECK_S
 from flowprefill.lab.sim.gateway import ROUTERS
+from flowprefill.lab.sim.handoff import DEFAULT_TRANSPORT, TRANSPORTS
 from flowprefill.lab.sim.systems import DEFAULT_SYSTEMS, PAPER_SYSTEMS, SYSTEMS
 
 
@@ -124,6 +125,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     dev.add_argument("--profile", default=None, help="a `flowprefill profile` JSON to simulate")
     dev.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
+    kv = parser.add_argument_group("KV hand-off and second token")
+    kv.add_argument(
+        "--transport",
+        type=str.lower,
+        choices=tuple(TRANSPORTS),
+        default=DEFAULT_TRANSPORT,
+        help="how the KV reaches decode; each finished request's gap to its second token "
+        "(hand-off + one decode step) is judged against its class's TBT SLO. Default: "
+        "today's file+http path (docs/simulator.md, 'KV hand-off and the second token')",
+    )
+    kv.add_argument(
+        "--kv-per-rank",
+        action="store_true",
+        help="with --tp > 1: every rank sends its own KV heads (NIXL) instead of gathering "
+        "them to rank 0 first",
+    )
     wl = parser.add_argument_group("workload")
     wl.add_argument("--workload", choices=("qwen", "sharegpt", "trace"), default="qwen")
     wl.add_argument("--trace", default=None, help="JSONL or CSV trace to replay")
@@ -209,6 +226,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         router=args.router,
         max_blocking_ms=args.max_blocking_ms,
         jobs=args.jobs,
+        transport=args.transport,
+        kv_per_rank=args.kv_per_rank,
         **extra,
     )
     cfg.check()
@@ -259,7 +278,8 @@ def _single(cfg: SweepConfig, args: argparse.Namespace, console: Console) -> int
 
     ev = evaluator(cfg)
     table = Table(title=f"{ev.cost.name} at {args.rate} req/s, SLO scale {args.slo_scale}")
-    for col in ("system", "attainment %", "per class %", "blocking ms mean/max", "rounds/req"):
+    columns = ("system", "attainment %", "per class %", "blocking ms mean/max", "rounds/req")
+    for col in (*columns, f"TBT 1st gap % ({cfg.transport})"):
         table.add_column(col)
     for name in cfg.systems:
         r = ev.run(get_system(name), args.rate, args.slo_scale)
@@ -270,6 +290,7 @@ def _single(cfg: SweepConfig, args: argparse.Namespace, console: Console) -> int
             classes,
             f"{r.blocking_mean_ms:.2f} / {r.blocking_max_ms:.2f}",
             f"{r.rounds_per_request:.2f}",
+            "—" if r.first_gap_attainment is None else f"{100 * r.first_gap_attainment:.1f}",
         )
     console.print(table)
     return 0

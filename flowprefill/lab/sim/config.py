@@ -23,6 +23,12 @@ from flowprefill.lab.sim.cost import (
     build_cost_model,
 )
 from flowprefill.lab.sim.driver import LIVE_PROGRESS
+from flowprefill.lab.sim.handoff import (
+    DEFAULT_TRANSPORT,
+    SecondTokenModel,
+    build_second_token,
+    get_transport,
+)
 from flowprefill.lab.sim.hardware import get_gpu, get_model
 from flowprefill.lab.sim.profile import ProfileCostModel
 from flowprefill.lab.sim.split import CPU_PIECE_OVERHEAD_S, GPU_PIECE_OVERHEAD_S, TilePlan
@@ -176,6 +182,29 @@ class SweepConfig(BaseModel):
         'CPU --profile); "off": never split.',
     )
     jobs: int = Field(2, description="Worker processes.")
+    transport: str = Field(
+        DEFAULT_TRANSPORT,
+        description="KV hand-off to decode (flowprefill/lab/sim/handoff.py): prices each "
+        "finished request's gap to its second token, judged against its class's TBT SLO.",
+    )
+    kv_per_rank: bool = Field(
+        False,
+        description="With TP > 1: every rank sends its own KV heads (NIXL); off = today's "
+        "path, gathered to rank 0 and sent as one stream.",
+    )
+
+    def second_token_model(self) -> SecondTokenModel | None:
+        """The hand-off and first decode step of the simulated GPU; None for a CPU
+        ``--profile`` (no GPU, no model shape to price)."""
+        if self.cost.profile is not None:
+            return None
+        return build_second_token(
+            self.cost.model,
+            self.cost.gpu,
+            self.transport,
+            tp=self.cost.tp,
+            gather_to_rank0=not self.kv_per_rank,
+        )
 
     @property
     def max_blocking_s(self) -> float | None:
@@ -207,6 +236,8 @@ class SweepConfig(BaseModel):
             raise InvalidRequestError(f"--instances must be ≥ 1, got {self.instances}")
         if self.jobs < 1:
             raise InvalidRequestError(f"--jobs must be ≥ 1, got {self.jobs}")
+        get_transport(self.transport)  # named even where nothing is priced (--profile)
+        self.second_token_model()  # --kv-per-rank over a transport that cannot do it
         if self.cost.split_overhead_s is not None and self.cost.split_overhead_s < 0:
             raise InvalidRequestError(
                 f"--split-overhead-us must be ≥ 0, got {self.cost.split_overhead_s * 1e6:g}"

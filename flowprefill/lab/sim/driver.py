@@ -151,6 +151,14 @@ class SimResult:
     num_tokens_done: int
     num_added_checkpoints: int = 0
     """Checkpoints run-time operator splitting added to the tasks submitted."""
+    requests: list[Request] = field(default_factory=list)
+    """Every request of the run, in arrival order (the order of ``ttft_s``)."""
+    decode_start_s: list[float | None] = field(default_factory=list)
+    """Per request (same order): when decode holds its KV — first token + hand-off; None
+    if its prefill never finished. Empty until a hand-off model is attached
+    (:func:`flowprefill.lab.sim.handoff.attach_second_token`)."""
+    first_gap_s: list[float | None] = field(default_factory=list)
+    """Per request: second token − first token (hand-off + one decode step); as above."""
 
     @property
     def attainment(self) -> float:
@@ -284,4 +292,5 @@ class Simulation:
             last_finish_s=self._last_finish_s,
             num_tokens_done=self._tokens_done,
             num_added_checkpoints=sum(x.pool.num_added_checkpoints for x in self.instances),
+            requests=arrivals,
         )

@@ -27,6 +27,8 @@ class ModelShape:
     default_tp: int
     """Tensor-parallel degree the paper serves this model with (§6.1)."""
     max_context_tokens: int
+    vocab_size: int = 0
+    """Rows of the (untied) LM head a decode step reads; 0 where unknown (not counted)."""
 
     @property
     def qkv_weights(self) -> int:
@@ -48,6 +50,18 @@ class ModelShape:
         """K and V of one token in one layer on one GPU (bf16)."""
         return 2 * max(1, self.num_kv_heads // tp) * self.head_dim * dtype_bytes
 
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """K and V of one token in every layer, every KV head (what a hand-off moves per
+        prompt token): ``2 × layers × kv_heads × head_dim × dtype_bytes``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def decode_weight_params(self) -> int:
+        """Parameters one decode step reads: every layer's projections and the LM head
+        (the embedding lookup reads one row; norms are negligible)."""
+        per_layer = self.qkv_weights + self.o_weights + self.gate_up_weights + self.down_weights
+        return self.num_layers * per_layer + self.vocab_size * self.hidden_size
+
 
 # Shapes from each model's config.json on the Hugging Face Hub.
 MODELS: dict[str, ModelShape] = {
@@ -55,11 +69,16 @@ MODELS: dict[str, ModelShape] = {
     for m in (
         # meta-llama/Meta-Llama-3-8B (the vidur profile's model). Context: 8K natively; the
         # paper serves QwenTrace prompts up to ~32K, so we allow the profile's 32K range.
-        ModelShape("llama3-8b", 32, 4096, 32, 8, 128, 14336, 1, 32768),
+        # KV: 2 × 32 × 8 × 128 × 2 B = 128 KiB per token.
+        ModelShape("llama3-8b", 32, 4096, 32, 8, 128, 14336, 1, 32768, 128256),
         # Qwen/Qwen2.5-14B-Instruct, served with TP=2 in the paper.
-        ModelShape("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 2, 32768),
-        # meta-llama/Meta-Llama-3-70B, served with TP=4 in the paper.
-        ModelShape("llama3-70b", 80, 8192, 64, 8, 128, 28672, 4, 32768),
+        ModelShape("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 2, 32768, 152064),
+        # meta-llama/Meta-Llama-3-70B config.json: 80 layers, hidden 8192, 64 heads, 8 KV
+        # heads (head_dim 8192/64 = 128), intermediate 28672, vocab 128256, 8K context
+        # natively (the profile's 32K range allowed, as for 8B). TP=4: the paper's degree
+        # (§6.1), and the usual one — 140 GB of bf16 weights fit no single 80 GB GPU, and
+        # four leave ~45 GB each for KV. KV: 2 × 80 × 8 × 128 × 2 B = 320 KiB per token.
+        ModelShape("llama3-70b", 80, 8192, 64, 8, 128, 28672, 4, 32768, 128256),
     )
 }
 

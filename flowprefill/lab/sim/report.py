@@ -157,19 +157,28 @@ def systems_table(result: SweepResult) -> Table:
 
 
 def classes_table(result: SweepResult) -> Table:
+    """TTFT attainment per class, and the share of requests with a TBT SLO whose gap to
+    the second token (KV hand-off over ``transport`` + one decode step) met it."""
     classes = _classes(result)
+    transport = result.config.get("transport", "—")
+    if result.config.get("kv_per_rank"):
+        transport += ", per rank"
     table = Table(
         title=f"SLO attainment per class at {result.reference_rate_rps:.2f} req/s, SLO scale 1"
+        f" · first gap = KV hand-off over {transport} + one decode step"
     )
     table.add_column("system")
     for c in ["all", *classes]:
         table.add_column(f"{c} %", justify="right")
+    table.add_column("TBT 1st gap %", justify="right")
     for o in result.systems:
         r = o.reference
         cells = [o.label, _fmt(100 * r.attainment, 1)]
         for c in classes:
             met, total = r.per_class.get(c, (0, 0))
             cells.append(_fmt(100 * met / total, 1) if total else "—")
+        gap = r.first_gap_attainment
+        cells.append(_fmt(None if gap is None else 100 * gap, 1))
         table.add_row(*cells)
     return table
 

@@ -22,6 +22,7 @@ from flowprefill.contracts.names import Granularity
 from flowprefill.errors import FlowPrefillError, InvalidRequestError
 from flowprefill.lab.sim.config import SweepConfig
 from flowprefill.lab.sim.cost import CostModel
+from flowprefill.lab.sim.handoff import SecondTokenModel, attach_second_token
 from flowprefill.lab.sim.search import highest_passing, lowest_passing
 from flowprefill.lab.sim.systems import SystemSpec, get_system, run_system
 from flowprefill.prefill.predictor.model import TTFTPredictor
@@ -56,6 +57,12 @@ class RunSummary:
     stopped_early: bool
     num_added_checkpoints: int = 0
     """Checkpoints operator splitting added (all tasks submitted, all seeds)."""
+    first_gap_per_class: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """class → (first gaps within the class's TBT SLO, requests of the class with one),
+    over the seeds run (:func:`~flowprefill.lab.sim.handoff.attach_second_token`); empty
+    without a hand-off model (a CPU ``--profile``)."""
+    first_gap_attainment: float | None = None
+    """Share of the requests with a TBT SLO whose first gap met it (None: none judged)."""
 
 
 @dataclass
@@ -90,6 +97,8 @@ class Evaluator:
             cfg.cost.model, self.cost.max_context_tokens
         )
         self.num_requests = sum(len(w) for w in self.workloads)
+        self.second_token: SecondTokenModel | None = cfg.second_token_model()
+        """Prices each finished request's gap to its second token (``--transport``)."""
         self._bound_rps: float | None = None
 
     def bound_rps(self) -> float:
@@ -118,6 +127,7 @@ class Evaluator:
         met = shed = rounds = preemptions = tokens = added = 0
         span = 0.0
         per_class: dict[str, list[int]] = {}
+        first_gap: dict[str, list[int]] = {}
         blocking: list[float] = []
         stopped = False
         for w in self.workloads:
@@ -146,6 +156,11 @@ class Evaluator:
                 slot = per_class.setdefault(c, [0, 0])
                 slot[0] += m
                 slot[1] += t
+            if self.second_token is not None:
+                for c, (m, t) in attach_second_token(res, self.second_token).items():
+                    slot = first_gap.setdefault(c, [0, 0])
+                    slot[0] += m
+                    slot[1] += t
             if res.stopped_early:
                 stopped = True
                 break
@@ -164,6 +179,8 @@ class Evaluator:
             num_shed=shed,
             stopped_early=stopped,
             num_added_checkpoints=added,
+            first_gap_per_class={c: (v[0], v[1]) for c, v in sorted(first_gap.items())},
+            first_gap_attainment=_share(first_gap),
         )
 
     def saturation_tokens_per_s(self, spec: SystemSpec) -> float:
@@ -198,6 +215,12 @@ class Evaluator:
 
     def reference_rate(self) -> float:
         return self.cfg.slo_rate or round(REF_RATE_FRACTION * self.bound_rps(), 4)
+
+
+def _share(counts: dict[str, list[int]]) -> float | None:
+    """Met / total over every class of ``counts`` (None when nothing was judged)."""
+    total = sum(t for _, t in counts.values())
+    return sum(m for m, _ in counts.values()) / total if total else None
 
 
 _EVALUATORS: dict[str, Evaluator] = {}
