@@ -18,7 +18,7 @@ checks it), so the gateway and the operator stay light.
   readiness), rendered by ``flowprefill up`` and by the operator's builders alike.
 """
 
-from flowprefill.contracts.engine import EngineConfig, KVHandoffSettings
+from flowprefill.contracts.engine import EngineConfig, KVHandoffSettings, NixlSettings
 from flowprefill.contracts.gateway import Endpoint, GatewayConfig
 from flowprefill.contracts.names import (
     Admission,
@@ -46,6 +46,7 @@ __all__ = [
     "KVTransport",
     "Kernels",
     "Name",
+    "NixlSettings",
     "Policy",
     "Role",
     "Router",

@@ -19,6 +19,12 @@ PREFILL_KV_PORT: Final = 8300
 """Prefill's KV hand-off listener (``http`` transport only): ``GET|HEAD|DELETE
 /v1/kv/<id>``, for decode alone. A port of its own so that a NetworkPolicy can let decode
 pods, and nobody else, read the prompt-derived KV (docs/operator.md)."""
+PREFILL_SIDE_CHANNEL_PORT: Final = 5600
+"""Prefill's NIXL handshake port (``nixl`` transport; vLLM's default side-channel port).
+The KV itself moves between NIXL agents on UCX's own ports."""
+DECODE_SIDE_CHANNEL_PORT: Final = 5700
+"""A stock vLLM decode's own NIXL handshake port (``nixl`` transport), apart from
+prefill's so both fit on one host."""
 
 HEALTH_PATH: Final = "/health"
 """Liveness of every process (vLLM's /health too)."""

@@ -37,6 +37,11 @@ from flowprefill.contracts.names import (
     Policy,
     PolicyName,
 )
+from flowprefill.contracts.nixl import (
+    DEFAULT_LEASE_S,
+    DEFAULT_SIDE_CHANNEL_PORT,
+    SIDE_CHANNEL_HOST_ENV,
+)
 from flowprefill.errors import InvalidRequestError
 
 MAX_TP_SIZE = 8
@@ -86,6 +91,41 @@ def max_blocking_arg(text: str) -> float | Literal["off"]:
     return value
 
 
+class NixlSettings(BaseModel):
+    """The prefill instance as a NIXL producer for stock vLLM decode (docs/kv.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    side_channel_port: int = Field(
+        DEFAULT_SIDE_CHANNEL_PORT, ge=0, lt=65536, description="Handshake port (0: any free one)."
+    )
+    advertise_host: str | None = Field(
+        None,
+        description="Address decode reaches the side channel and agent at (null: "
+        f"${SIDE_CHANNEL_HOST_ENV}, else the listen address; in a pod, the pod IP).",
+    )
+    served_model: str | None = Field(
+        None,
+        description="Decode's --model argument exactly (the handshake's compatibility hash "
+        "embeds it); null: model_path.",
+    )
+    buffer_mb: float = Field(
+        512.0, gt=0, description="Registered KV buffer (MiB) for prompts awaiting decode."
+    )
+    block_size: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per block; must equal decode's --block-size (null: 128 "
+        "on CPU, vLLM's GPU default 16 otherwise).",
+    )
+    attention_backend: str | None = Field(
+        None, description="Decode's attention backend (null: CPU_ATTN on CPU, FLASH_ATTN on GPU)."
+    )
+    lease_s: float = Field(
+        DEFAULT_LEASE_S, gt=0, description="Blocks no decode read are freed after this long."
+    )
+
+
 class KVHandoffSettings(BaseModel):
     """Where a prefill instance writes KV hand-offs for decode (docs/kv.md)."""
 
@@ -95,7 +135,11 @@ class KVHandoffSettings(BaseModel):
         KVTransport.SHARED_DIR,
         description="shared_dir: decode reads `dir` (a shared volume); http: this instance "
         "serves hand-offs at /v1/kv/<id> on its KV port (serve-prefill --kv-port) and decode "
-        "pulls them.",
+        "pulls them; nixl: stock vLLM decode (NixlConnector) pulls them from this instance's "
+        "registered KV buffer.",
+    )
+    nixl: NixlSettings | None = Field(
+        None, description="The NIXL producer's settings (nixl transport; null: defaults)."
     )
     dir: str | None = Field(
         None, description="Hand-off directory (null: $FLOWPREFILL_KV_DIR or /tmp/flowprefill-kv)."

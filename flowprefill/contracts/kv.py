@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from flowprefill.contracts.deployment import default_kv_cache_dir, default_kv_dir
 from flowprefill.contracts.names import KVTransport
+from flowprefill.contracts.nixl import RemotePrefill
 from flowprefill.errors import KVHandoffError, UnknownNameError
 
 PARAMS_KEY = "flowprefill"
@@ -119,6 +120,18 @@ class HandoffRef:
             num_tokens=num_tokens,
             source=source,
         )
+
+
+DecodeKV = HandoffRef | RemotePrefill
+"""Where decode finds a prompt's KV: one of our hand-offs (our connector loads it) or a
+NIXL producer's blocks (stock vLLM's ``NixlConnector`` pulls them)."""
+
+
+def decode_kv(params: Mapping[str, Any] | None) -> DecodeKV | None:
+    """The KV reference a prefill answer's ``kv_transfer_params`` carry, of either kind;
+    None when they carry none. Raises :class:`KVHandoffError` when malformed."""
+    remote = RemotePrefill.from_params(params)
+    return remote if remote is not None else HandoffRef.from_params(params)
 
 
 def result_params(ref: HandoffRef, loaded_tokens: int, reason: str | None = None) -> dict[str, Any]:

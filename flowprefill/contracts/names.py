@@ -93,6 +93,9 @@ class KVTransport(Name):
 
     SHARED_DIR = "shared_dir"
     HTTP = "http"
+    NIXL = "nixl"
+    """Stock vLLM decode pulls the KV from prefill's registered memory over NIXL
+    (:mod:`flowprefill.contracts.nixl`)."""
 
 
 class Kernels(Name):

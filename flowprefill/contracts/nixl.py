@@ -124,6 +124,11 @@ class RemotePrefill:
     num_tokens: int
     tp_size: int = 1
 
+    @property
+    def handoff_id(self) -> str:
+        """What the prefill instance's ``DELETE /v1/kv/<id>`` frees: the request id."""
+        return self.request_id
+
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` of a decode request (vLLM's producer shape)."""
         return {

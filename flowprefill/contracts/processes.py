@@ -29,6 +29,11 @@ from flowprefill.contracts.deployment import (
 )
 from flowprefill.contracts.kv import connector_config, kv_transfer_config
 from flowprefill.contracts.names import KVTransport, Role
+from flowprefill.contracts.nixl import (
+    SIDE_CHANNEL_HOST_ENV,
+    SIDE_CHANNEL_PORT_ENV,
+    consumer_kv_transfer_config,
+)
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -125,8 +130,12 @@ def decode_process(
     cpu: bool = False,
     tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
+    side_channel_port: int | None = None,
 ) -> ProcessSpec:
-    """vLLM's OpenAI server loading hand-offs through the FlowPrefill connector.
+    """vLLM's OpenAI server loading hand-offs through the FlowPrefill connector, or with
+    the ``nixl`` transport stock vLLM pulling them with its ``NixlConnector`` (no
+    FlowPrefill code in the process; ``side_channel_port`` is its own NIXL handshake
+    port, which must differ between decode instances on one host).
 
     ``kv_path``: the shared hand-off directory (``shared_dir``) or this instance's cache
     of pulled hand-offs (``http``); no transport leaves the connector its defaults (the
@@ -134,11 +143,19 @@ def decode_process(
     idle busy-wait (docs/kv.md), which a GPU node does not need.
     ``tensor_parallel_size > 1``: vLLM runs that many ranks itself
     (``--tensor-parallel-size``); one rank adds no flag (vLLM's default)."""
-    config = (
-        kv_transfer_config(kv_path, transport=kv_transport)
-        if kv_transport is not None
-        else connector_config()
-    )
+    env: dict[str, str] = decode_env(cpu=cpu)
+    config: dict[str, object]
+    if kv_transport is KVTransport.NIXL:
+        config = consumer_kv_transfer_config(device="cpu" if cpu else "cuda")
+        env = {}  # no FlowPrefill connector in the process: nothing of ours to configure
+        if side_channel_port is not None:
+            env[SIDE_CHANNEL_PORT_ENV] = str(side_channel_port)
+        if host:
+            env[SIDE_CHANNEL_HOST_ENV] = host
+    elif kv_transport is not None:
+        config = kv_transfer_config(kv_path, transport=kv_transport)
+    else:
+        config = connector_config()
     args = [
         "--model", model_path, *_listen(host, port),
         "--kv-transfer-config", json.dumps(config, separators=(",", ":")),
@@ -151,7 +168,7 @@ def decode_process(
         args=(*args, *extra_args),
         port=port,
         ready_path=DECODE_READY_PATH,
-        env=decode_env(cpu=cpu),
+        env=env,
     )
 
 

@@ -39,6 +39,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from flowprefill.contracts.nixl import RemotePrefill
 from flowprefill.gateway.classify import Job
 from flowprefill.gateway.errors import GatewayError, UpstreamError
 from flowprefill.gateway.routing import Instance, InstancePool, Placement, failover
@@ -107,15 +108,21 @@ class DecodeStage:
         if pool is None or client is None:
             raise UpstreamError(503, "this gateway has no decode instances", "no_decode")
         handoff = await answer.hand_off()
+        attempts = 0
 
         async def attempt(inst: Instance) -> AsyncGenerator[DecodeDelta, None]:
+            nonlocal attempts
+            attempts += 1
+            # NIXL blocks are freed once a decode has read them, and may hold another
+            # prompt's KV by the time a retry would read them: a retry recomputes.
+            kv = None if attempts > 1 and isinstance(handoff, RemotePrefill) else handoff
             custody.attempt_live = True  # from the moment it may reach the instance
             deltas = client.stream(
                 inst.url,
                 prompt_token_ids=[*job.token_ids, answer.first_token_id],
                 max_tokens=budget,
                 sampling=job.body.decode_sampling(),
-                handoff=handoff,
+                handoff=kv,
                 headers=job.upstream_hints(self.clock()),
                 request_id=job.request_id,
             )

@@ -5,7 +5,7 @@
   decode will not load.
 - :class:`DecodeClient`: a vLLM OpenAI server's streamed ``/v1/completions``, continuing
   from the prompt plus the first token and loading the prompt's KV through
-  ``kv_transfer_params`` (:class:`~flowprefill.contracts.kv.HandoffRef`).
+  ``kv_transfer_params`` (:class:`~flowprefill.contracts.kv.DecodeKV`).
 
 Both go through :class:`UpstreamHTTP` (aiohttp: two upstream calls per request are most
 of the gateway's own CPU time, and it costs several times less CPU per request than
@@ -31,7 +31,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from flowprefill.contracts.deployment import KV_HTTP_PATH, PREFILL_API_PATH
-from flowprefill.contracts.kv import HandoffRef
+from flowprefill.contracts.kv import DecodeKV, decode_kv
 from flowprefill.contracts.prefill_api import KVHandoffEvent, PrefillRequest, PrefillResponse
 from flowprefill.errors import KVHandoffError
 from flowprefill.gateway.errors import UpstreamError
@@ -235,7 +235,7 @@ class PrefillAnswer:
     """The ``elapsed_s`` the request was sent with (gateway arrival → sent)."""
     prefill_url: str
     """The instance that answered (base URL): it serves ``DELETE /v1/kv/<id>``."""
-    kv_pending: asyncio.Task[HandoffRef | None] | None = None
+    kv_pending: asyncio.Task[DecodeKV | None] | None = None
     """A streamed answer's rest: the hand-off once prefill has written it."""
 
     @property
@@ -247,18 +247,18 @@ class PrefillAnswer:
         """Time the request spent at the prefill instance (queue and prefill)."""
         return max(0.0, self.response.ttft_s - self.elapsed_s)
 
-    async def hand_off(self) -> HandoffRef | None:
+    async def hand_off(self) -> DecodeKV | None:
         """Where decode finds the prompt's KV cache; None: decode recomputes it."""
         if self.kv_pending is not None:
             return await self.kv_pending
         return _handoff(self.response.kv_transfer_params, self.response.request_id)
 
 
-def _handoff(params: dict[str, Any] | None, request_id: str) -> HandoffRef | None:
+def _handoff(params: dict[str, Any] | None, request_id: str) -> DecodeKV | None:
     """The hand-off ``params`` name; None (decode recomputes) when they name none or
     cannot be used."""
     try:
-        return HandoffRef.from_params(params)
+        return decode_kv(params)
     except KVHandoffError as e:
         log.warning("unusable KV hand-off for %s (%s); decode will recompute", request_id, e)
         return None
@@ -277,13 +277,13 @@ def _response(data: Any) -> PrefillResponse:
 
 async def _streamed_handoff(
     payloads: AsyncGenerator[str, None], request_id: str
-) -> HandoffRef | None:
+) -> DecodeKV | None:
     """Read a streamed prefill answer to its end; the hand-off its event names, if any.
 
     Never raises (but for cancellation): a hand-off that does not arrive (prefill died
     after the first token, a malformed event) means decode recomputes the prompt, not a
     failed request."""
-    ref: HandoffRef | None = None
+    ref: DecodeKV | None = None
     try:
         async with aclosing(payloads):
             async for payload in payloads:
@@ -364,7 +364,7 @@ class DecodeClient:
         prompt_token_ids: list[int],
         max_tokens: int,
         sampling: dict[str, Any],
-        handoff: HandoffRef | None,
+        handoff: DecodeKV | None,
         headers: dict[str, str],
         request_id: str,
     ) -> AsyncGenerator[DecodeDelta, None]:

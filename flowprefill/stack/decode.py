@@ -65,11 +65,13 @@ def decode_spec(
     kv_dir: Path,
     max_model_len: int = 8192,
     transport: KVTransport | str = KVTransport.SHARED_DIR,
+    side_channel_port: int | None = None,
 ) -> ProcessSpec:
     """A decode instance on loopback: vLLM as a KV consumer of our hand-offs.
 
     ``kv_dir``: the shared hand-off directory (``shared_dir``), or this instance's own
-    cache of hand-offs pulled from prefill (``http``)."""
+    cache of hand-offs pulled from prefill (``http``); unused with ``nixl``, where
+    ``side_channel_port`` is the instance's own handshake port."""
     return decode_process(
         Launcher.local(),
         model_path=str(model_dir),
@@ -79,6 +81,7 @@ def decode_spec(
         kv_path=str(kv_dir),
         cpu=True,
         extra_args=decode_args(model_dir, max_model_len),
+        side_channel_port=side_channel_port,
     )
 
 

@@ -39,15 +39,18 @@ from flowprefill.contracts import (
     KVHandoffSettings,
     KVTransport,
     Name,
+    NixlSettings,
     Policy,
     Router,
     SLOTable,
 )
 from flowprefill.contracts.deployment import (
     DECODE_PORT,
+    DECODE_SIDE_CHANNEL_PORT,
     GATEWAY_PORT,
     PREFILL_KV_PORT,
     PREFILL_PORT,
+    PREFILL_SIDE_CHANNEL_PORT,
 )
 from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, MAX_TP_SIZE, max_blocking_arg
 from flowprefill.contracts.processes import (
@@ -218,8 +221,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=KVTransport.SHARED_DIR,
         type=name_arg(KVTransport),
         choices=list(KVTransport),
-        help="KV hand-off: one shared directory, or each decode pulls from prefill over HTTP "
-        "into its own cache directory",
+        help="KV hand-off: stock vLLM decode pulls it from prefill's memory over NIXL (nixl), "
+        "one shared directory (shared_dir), or each decode pulls a file from prefill over "
+        "HTTP into its own cache directory (http)",
+    )
+    p.add_argument(
+        "--nixl-buffer-mb",
+        type=float,
+        default=256.0,
+        help="nixl transport: each prefill instance's registered KV buffer (MiB), which holds "
+        "prompts until decode has pulled them",
     )
 
 
@@ -257,7 +268,18 @@ def plan_stack(
             predictor_path=str(profile),
             tp_size=args.tp,
             num_threads=threads_per_rank(args),
-            kv=KVHandoffSettings(transport=args.kv_transport, dir=str(kv_dir)),
+            kv=KVHandoffSettings(
+                transport=args.kv_transport,
+                dir=str(kv_dir),
+                nixl=NixlSettings(
+                    side_channel_port=args.port + (PREFILL_SIDE_CHANNEL_PORT - GATEWAY_PORT) + i,
+                    advertise_host=LOOPBACK,
+                    served_model=str(model_dir),  # decode's --model
+                    buffer_mb=args.nixl_buffer_mb,
+                )
+                if args.kv_transport is KVTransport.NIXL
+                else None,
+            ),
         )
         files[f"engine-{i}.json"] = cfg.model_dump_json(indent=2)
         process = prefill_process(
@@ -277,7 +299,13 @@ def plan_stack(
     for i in range(args.decode):
         port = args.port + (DECODE_PORT - GATEWAY_PORT) + i
         cache = kv_dir if args.kv_transport is KVTransport.SHARED_DIR else run_dir / f"kv-cache-{i}"
-        process = decode_spec(model_dir, port, cache, transport=args.kv_transport)
+        process = decode_spec(
+            model_dir,
+            port,
+            cache,
+            transport=args.kv_transport,
+            side_channel_port=args.port + (DECODE_SIDE_CHANNEL_PORT - GATEWAY_PORT) + i,
+        )
         decode_eps.append(Endpoint.at("decode", LOOPBACK, port))
         log = run_dir / "logs" / f"decode-{i}.log"
         env = decode_env(run_dir, args.decode_threads)

@@ -30,7 +30,7 @@ class SideChannel:
 
     def __init__(self, host: str, port: int, payloads: Mapping[tuple[int, int], bytes]) -> None:
         self.payloads = dict(payloads)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         bind_host = "*" if host in ("", "0.0.0.0", "::") else host

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ from flowprefill.web.limits import add_client_limit_arguments
 if TYPE_CHECKING:
     from flowprefill.prefill.engine import Predictor, PrefillBackend, PrefillEngine
     from flowprefill.prefill.server.kv_sink import DirectorySink
+    from flowprefill.prefill.server.nixl_sink import NixlSink
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="override parked_memory_bytes (MiB): what preempted tasks may hold; 0 never preempts",
     )
     add_client_limit_arguments(p, max_body_mb=16.0)
+    p.add_argument(
+        "--default-ttft-slo",
+        type=float,
+        default=1.0,
+        help="nixl transport: the TTFT target (s) of vLLM-style P/D requests at "
+        "/v1/completions that name none (body ttft_slo_s or header x-flowprefill-ttft-slo-s)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
 
 
@@ -131,13 +141,15 @@ def run(args: argparse.Namespace) -> int:
 
     from flowprefill.prefill.factory import build_backend, model_config_of, quick_profile
     from flowprefill.prefill.predictor.model import TTFTPredictor
-    from flowprefill.prefill.server.kv_http import create_kv_app
+    from flowprefill.prefill.server.kv_http import add_discard_route, create_kv_app
     from flowprefill.prefill.server.listeners import ClientLimits, listener, serve
+    from flowprefill.prefill.server.pd_api import add_pd_route
     from flowprefill.prefill.server.prefill import create_app
     from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 
     config = resolve_config(args)
     kv_http = config.kv is not None and config.kv.transport is KVTransport.HTTP
+    closing = contextlib.ExitStack()
     if kv_http and args.kv_port == args.port:
         raise SystemExit(f"--kv-port must differ from --port (both {args.port})")
     backend = build_backend(config)
@@ -149,12 +161,27 @@ def run(args: argparse.Namespace) -> int:
             else quick_profile(backend, Console(stderr=True), model_name=config.model_path)
         )
         engine = build_engine(config, backend, predictor)
-        kv_sink = kv_handoff(config.kv, args.host, args.kv_port, model_config_of(backend))
-        # The gateway deletes hand-offs decode will not load through the main port (both
-        # transports); decode reads (http) on the KV port alone.
-        kv_store = kv_sink.transport if kv_sink is not None else None
-        kv_url = kv_sink.source if kv_sink is not None else None
-        app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store, kv_url=kv_url)
+        model_config = model_config_of(backend)
+        if config.kv is not None and config.kv.transport is KVTransport.NIXL:
+            nixl = nixl_handoff(config, args.host, model_config)
+            closing.callback(nixl.close)
+            app = create_app(engine, kv_sink=nixl)
+            add_discard_route(app, nixl.discard)
+            add_pd_route(
+                app,
+                engine,
+                nixl,
+                tokenizer=functools.partial(load_tokenizer, config.model_path),
+                model_name=config.model_path,
+                default_ttft_slo_s=args.default_ttft_slo,
+            )
+        else:
+            kv_sink = kv_handoff(config.kv, args.host, args.kv_port, model_config)
+            # The gateway deletes hand-offs decode will not load through the main port
+            # (both transports); decode reads (http) on the KV port alone.
+            kv_store = kv_sink.transport if kv_sink is not None else None
+            kv_url = kv_sink.source if kv_sink is not None else None
+            app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store, kv_url=kv_url)
         log.info(
             "prefill instance: %s, granularity %s, policy %s, tp_size %d, port %d%s",
             config.model_path,
@@ -185,8 +212,33 @@ def run(args: argparse.Namespace) -> int:
             tp.group.on_failure(rank_failed)
         serve(server, kv_server)
     finally:
+        closing.close()
         backend.close()
     return 1 if tp is not None and tp.group.failure is not None else 0
+
+
+def nixl_handoff(config: EngineConfig, host: str, model_config: Any) -> NixlSink:
+    """This instance as a NIXL producer (``nixl`` transport) for rank 0's device."""
+    from flowprefill.prefill.server.nixl_sink import nixl_sink
+
+    assert config.kv is not None
+    return nixl_sink(
+        config.kv.nixl,
+        model_path=config.model_path,
+        model_config=model_config,
+        dtype=config.dtype,
+        device=config.device,
+        host=host,
+    )
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The model's tokenizer (for P/D requests that send text)."""
+    from transformers import AutoTokenizer
+
+    from flowprefill.models.loader import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(model_path))
 
 
 def kv_handoff(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -73,6 +74,17 @@ def add_delete_route(app: FastAPI, store: SharedDirTransport) -> None:
             return found
         if not store.delete(handoff_id):  # deleted concurrently
             return error_response(404, f"no KV hand-off {handoff_id!r} on this prefill instance")
+        return {"handoff_id": handoff_id, "deleted": True}
+
+
+def add_discard_route(app: FastAPI, discard: Callable[[str], bool]) -> None:
+    """``DELETE /v1/kv/<id>`` for the ``nixl`` transport: free a published prompt's blocks
+    that no decode will read (``discard(id)`` is False when none are held)."""
+
+    @app.delete(ROUTE)
+    async def discard_kv(handoff_id: str) -> Any:
+        if not discard(handoff_id):
+            return error_response(404, f"no KV of {handoff_id!r} held on this prefill instance")
         return {"handoff_id": handoff_id, "deleted": True}
 
 
