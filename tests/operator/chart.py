@@ -98,8 +98,9 @@ def peer_matches(peer: dict[str, Any], other: Pod, policy_namespace: str) -> boo
 
 def _rule_allows(rule: dict[str, Any], key: str, other: Pod, ns: str, port: int) -> bool:
     ports = rule.get("ports")
+    # An entry without a port admits every port of its protocol (NetworkPolicyPort).
     if ports and not any(
-        p.get("port") == port and p.get("protocol", "TCP") == "TCP" for p in ports
+        p.get("port", port) == port and p.get("protocol", "TCP") == "TCP" for p in ports
     ):
         return False
     peers = rule.get(key)

@@ -113,7 +113,9 @@ def test_ports_and_labels_agree_with_the_contracts_and_builders() -> None:
         assert container_port == PORTS[role]  # builders use the contracts' ports
         selecting = [n for n, p in nps.items() if selects(p["spec"]["podSelector"], pod.labels)]
         assert selecting == [role], f"{role} pods are selected by {selecting}"
-        ingress_ports = {pt["port"] for r in nps[role]["spec"]["ingress"] for pt in r["ports"]}
+        # Rules without a port (nixl: every TCP port between prefill and decode) aside.
+        ingress_ports = {pt["port"] for r in nps[role]["spec"]["ingress"] for pt in r["ports"]
+                         if "port" in pt}  # fmt: skip
         assert ingress_ports == set(named[role].values()), role
     selector = nps["gateway"]["spec"]["podSelector"]["matchLabels"]
     assert selector == {"app.kubernetes.io/managed-by": MANAGED_BY, ROLE_LABEL: "gateway"}
@@ -138,18 +140,25 @@ def test_who_may_reach_whom_in_namespaced_mode() -> None:
     assert ok(CLIENT, gw, gw_port)
     assert ok(gw, prefill, prefill_port) and ok(gw, decode, decode_port)
     # KV hand-offs (prompt-derived data) are read on prefill's KV port, by decode alone:
-    # not even the gateway reaches it; decode, which only pulls (and deletes what it
-    # loaded) there, does not reach prefill's API port.
+    # not even the gateway reaches it.
     assert ok(decode, prefill, kv_port)
     assert not ok(gw, prefill, kv_port)
-    assert not ok(decode, prefill, prefill_port)
+    # The nixl transport (networkPolicy.kvOverNixl, on by default: GPU pools default to
+    # it): UCX connects on ephemeral ports both ways, so prefill and decode reach each
+    # other on every TCP port (test_operator_nixl.py) ...
+    assert ok(decode, prefill, prefill_port) and ok(prefill, decode, decode_port)
+    # ... and without it decode, which only pulls (and deletes what it loaded) on the KV
+    # port, reaches neither prefill's API port nor prefill decode's.
+    http_only = policies(*NAMESPACED, "--set", "networkPolicy.kvOverNixl=false")
+    assert allowed(http_only, decode, prefill, kv_port)
+    assert not allowed(http_only, decode, prefill, prefill_port)
+    assert not allowed(http_only, prefill, decode, decode_port)
     # Nobody else reaches prefill or decode.
     for src in (CLIENT, stranger, operator, PROMETHEUS, b["gateway"][0], b["decode"][0]):
         assert not ok(src, prefill, kv_port), src
         if src is not PROMETHEUS:
             assert not ok(src, prefill, prefill_port), src
             assert not ok(src, decode, decode_port), src
-    assert not ok(prefill, decode, decode_port)
     # Metrics: Prometheus everywhere, the operator at the gateways (and only there).
     for dst, port in (a["gateway"], a["prefill"], a["decode"]):
         assert ok(PROMETHEUS, dst, port)
@@ -193,6 +202,7 @@ def test_values_tighten_the_defaults() -> None:
         *NAMESPACED,
         "--set", "networkPolicy.gatewayFrom[0].ipBlock.cidr=10.244.7.0/24",
         "--set", "networkPolicy.kvOverHttp=false",
+        "--set", "networkPolicy.kvOverNixl=false",
         "--set", "networkPolicy.metricsFrom=null",
         "--set", "networkPolicy.apiServerCIDRs={10.96.0.1/32}",
         "--set", "networkPolicy.apiServerPorts={443}",
@@ -208,7 +218,8 @@ def test_values_tighten_the_defaults() -> None:
     assert allowed(nps, CLIENT, gw, gw_port)  # inside the CIDR
     assert not allowed(nps, Pod("apps", {}, ip="10.1.0.5"), gw, gw_port)
     assert allowed(nps, operator, gw, gw_port)  # the operator still scrapes
-    for port in (kv_port, prefill_port):  # no KV over http: decode reaches no prefill port
+    # No KV over http or nixl: decode reaches no prefill port.
+    for port in (kv_port, prefill_port):
         assert not allowed(nps, a["decode"][0], prefill, port)
     assert not allowed(nps, gw, prefill, kv_port)
     assert allowed(nps, gw, prefill, prefill_port)

@@ -119,7 +119,22 @@ def test_prefill_command_config_and_probes() -> None:
         "batching": "slo-aware",
         "kernels": None,
         "num_threads": None,
-        "kv": None,
+        # No kvHandoff on a GPU pool: nixl with its defaults (test_operator_nixl.py).
+        "kv": {
+            "transport": "nixl",
+            "dir": None,
+            "advertise_url": None,
+            "max_age_s": 600.0,
+            "nixl": {
+                "side_channel_port": 5600,
+                "advertise_host": None,
+                "served_model": LLAMA_DIR,
+                "buffer_mb": 512.0,
+                "block_size": 16,
+                "attention_backend": None,
+                "lease_s": 30.0,
+            },
+        },
     }
     svc = by_kind(children, "Service")[0]
     assert svc["spec"]["clusterIP"] == "None"
@@ -157,10 +172,12 @@ def test_decode_command_and_model_image_volume() -> None:
         "/models/llama",
         "--port",
         "8200",
+        # No kvHandoff on a GPU pool: stock vLLM pulling over nixl (test_operator_nixl.py).
         "--kv-transfer-config",
-        '{"kv_connector":"FlowPrefillConnector","kv_connector_module_path":'
-        '"flowprefill.kv.connector","kv_role":"kv_consumer",'
+        '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cuda",'
         '"kv_load_failure_policy":"recompute"}',
+        "--block-size",
+        "16",
         "--max-model-len=8192",
     ]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -214,7 +231,8 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
     engine = json.loads(by_kind(build_pool_children(P.__class__(P.name, "ns", "u", p), SETTINGS),
                                 "ConfigMap")[0]["data"]["engine.json"])  # fmt: skip
     assert engine["kv"] == {
-        "transport": "http", "dir": mount, "advertise_url": None, "max_age_s": 120.0
+        "transport": "http", "dir": mount, "advertise_url": None, "max_age_s": 120.0,
+        "nixl": None,
     }  # fmt: skip
     env = [e["name"] for e in container["env"]]
     # $(POD_IP) expands only from variables defined before it.

@@ -121,8 +121,10 @@ def test_kv_mismatch_names_the_pools_of_the_other_role() -> None:
     p, d = PoolRef("m-prefill", "ns", "u1", prefill), PoolRef("m-decode", "ns", "u2", decode)
     [problem] = kv_mismatch(d, [p, d])
     assert problem.reason == "KVHandoffMismatch"
+    # The decode pool asks for GPUs: no kvHandoff there means nixl.
     assert problem.message == (
-        "this pool has no kvHandoff but prefill pool 'm-prefill' has kvHandoff http"
+        "this pool has kvHandoff nixl (unset: the default on GPUs) but prefill pool "
+        "'m-prefill' has kvHandoff http"
     )
     assert kv_mismatch(d, [d]) == []
 

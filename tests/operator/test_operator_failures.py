@@ -115,7 +115,11 @@ def test_kv_handoff_the_pools_disagree_on_is_reported_on_both(cluster: Cluster) 
         for c in cluster.get("ServingPool", ns, "m-decode")["status"]["conditions"]
         if c["type"] == "Degraded"
     )
-    assert message == "this pool has no kvHandoff but prefill pool 'm-prefill' has kvHandoff http"
+    # The decode pool asks for a GPU (the default): no kvHandoff there means nixl.
+    assert message == (
+        "this pool has kvHandoff nixl (unset: the default on GPUs) but prefill pool "
+        "'m-prefill' has kvHandoff http"
+    )
     wait_for(lambda: "KVHandoffMismatch" in cluster.event_reasons(ns, "m-decode"), what="event")
     # The children are still applied: the pods can run, only the hand-off would not work.
     assert cluster.kube.get("Deployment", ns, "m-decode") is not None

@@ -154,7 +154,11 @@ BAD_POOLS = [
     ({"model": {"uri": "pvc://w", "image": {"reference": "x"}}}, "at most one of uri and image"),
     ({"model": {"uri": "hf://org/name", "path": "/m"}}, "exactly one of uri"),
     ({"engine": {"batching": "biggest-first"}}, "batching"),
-    ({"kvHandoff": {}}, "claimName is required with transport sharedDir"),
+    # Unset transport: sharedDir on a CPU pool (nixl on a GPU pool: test_operator_nixl.py).
+    (
+        {"kvHandoff": {}, "engine": {"device": "cpu"}, "resources": {"gpusPerPod": 0}},
+        "claimName is required with transport sharedDir",
+    ),
     ({"kvHandoff": {"transport": "http", "claimName": "kv"}}, "not used with http"),
     ({"kvHandoff": {"claimName": "kv", "sizeLimit": "1Gi"}}, "sizeLimit applies to"),
     ({"kvHandoff": {"transport": "nfs"}}, "transport"),

@@ -121,11 +121,17 @@ def pod_security_context() -> dict[str, Any]:
     return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def container_security_context() -> dict[str, Any]:
+def container_security_context(add: list[str] | None = None) -> dict[str, Any]:
+    """No privilege escalation, a read-only root, every capability dropped but ``add``
+    (a pool's ``IPC_LOCK`` with nixl over RDMA: the ``restricted`` Pod Security Standard
+    refuses that one)."""
+    capabilities: dict[str, list[str]] = {"drop": ["ALL"]}
+    if add:
+        capabilities["add"] = list(add)
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": capabilities,
     }
 
 

@@ -46,8 +46,12 @@ def _merge_env(own: list[dict[str, Any]], extra: list[dict[str, Any]]) -> list[d
 def _merge_container_security(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     merged = {**base, **{k: v for k, v in over.items() if k != "capabilities"}}
     if "capabilities" in over:
-        # add and drop separately: adding one capability keeps the default drop ALL.
-        merged["capabilities"] = {**base.get("capabilities", {}), **over["capabilities"]}
+        # add and drop separately: adding one capability keeps the default drop ALL; the
+        # overlay's add joins the template's (IPC_LOCK of a nixl pool) instead of replacing it.
+        own = base.get("capabilities", {})
+        merged["capabilities"] = {**own, **over["capabilities"]}
+        if own.get("add") and "add" in over["capabilities"]:
+            merged["capabilities"]["add"] = _dedup([*own["add"], *over["capabilities"]["add"]])
     return merged
 
 
@@ -71,7 +75,9 @@ def apply_pod_overlay(
     - ``securityContext``: merged key by key over the pod's (a nested key such as
       ``seccompProfile`` is replaced whole).
     - ``containerSecurityContext``: merged key by key over every container's and init
-      container's ``securityContext``; ``capabilities.add``/``drop`` merge separately.
+      container's ``securityContext``; ``capabilities.add``/``drop`` merge separately, the
+      overlay's ``drop`` replacing the operator's, its ``add`` appended to the operator's
+      (a nixl pool's ``IPC_LOCK`` stays; ``kvHandoff.nixl.ipcLock: false`` removes it).
     - ``env``: into every container and init container; an entry named as one of the
       container's replaces it in place, the others are appended in order.
     - ``envFrom``: appended to every container and init container (explicit ``env`` wins

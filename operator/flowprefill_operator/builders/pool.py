@@ -21,6 +21,7 @@ from flowprefill.contracts.processes import (
 
 from ..models import ServingPoolSpec
 from ..settings import OperatorSettings
+from . import nixl
 from .common import (
     CONFIG_HASH,
     SCRATCH_ENV,
@@ -71,12 +72,22 @@ def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
         device=engine.device,
         dtype=engine.dtype,
         num_threads=threads_per_rank(spec),
-        kv=KVHandoffSettings(
-            transport=kv.transport, dir=kv.mount_path, max_age_s=kv.max_age_seconds
-        )
-        if (kv := spec.kv_handoff)
-        else None,
+        kv=kv_settings(spec),
     )
+
+
+def kv_settings(spec: ServingPoolSpec) -> KVHandoffSettings | None:
+    """engine.json ``kv``: the pool's hand-off in effect (:attr:`ServingPoolSpec.kv`);
+    with nixl no directory, and ``kv.nixl`` from :func:`.nixl.producer_settings`."""
+    kv = spec.kv
+    if kv is None:
+        return None
+    transport = KVTransport.parse(str(kv.transport))
+    if transport is KVTransport.NIXL:
+        return KVHandoffSettings(
+            transport=transport, nixl=nixl.producer_settings(spec), max_age_s=kv.max_age_seconds
+        )
+    return KVHandoffSettings(transport=transport, dir=kv.mount_path, max_age_s=kv.max_age_seconds)
 
 
 _SUFFIXES = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
@@ -117,9 +128,12 @@ def shm_size_limit(spec: ServingPoolSpec) -> str | None:
 
 
 def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
-    """The pool's container process, from the description ``flowprefill up`` renders too."""
-    kv = spec.kv_handoff
-    transport = KVTransport.parse(kv.transport) if kv else None
+    """The pool's container process, from the description ``flowprefill up`` renders too.
+    With nixl, decode also gets ``--block-size`` (prefill's engine.json has the same) and
+    its side-channel port; its ``--model`` is the string prefill's ``served_model`` is."""
+    kv = spec.kv
+    transport = KVTransport.parse(str(kv.transport)) if kv else None
+    is_nixl = transport is KVTransport.NIXL
     if spec.role == "prefill":
         return prefill_process(
             IMAGE,
@@ -133,25 +147,27 @@ def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
         model_path=model_dir(spec.model),
         port=DECODE_PORT,
         kv_transport=transport,
-        kv_path=kv.mount_path if kv else None,
+        kv_path=kv.mount_path if kv and not is_nixl else None,
         cpu=spec.resources.gpus_per_pod == 0,
         tensor_parallel_size=spec.vllm_settings.tensor_parallel_size,
-        extra_args=spec.vllm_args,
+        extra_args=[*nixl.decode_block_size_args(spec), *spec.vllm_args],
+        side_channel_port=nixl.side_channel_port(spec) if is_nixl else None,
     )
 
 
 KV_PORT_NAME = "kv"
 
 
-def container_ports(process: ProcessSpec) -> list[dict[str, Any]]:
+def container_ports(process: ProcessSpec, spec: ServingPoolSpec) -> list[dict[str, Any]]:
     """``http`` (the API, probes, /metrics), and a prefill pod's ``kv`` port where decode
     pulls hand-offs (``http`` transport): a port of its own, which the chart's
     NetworkPolicy opens to decode pods alone. Not in the pool's Service: decode reaches
-    the pod that wrote a hand-off by the address in the hand-off (``$(POD_IP)``)."""
+    the pod that wrote a hand-off by the address in the hand-off (``$(POD_IP)``). With
+    nixl, the NIXL side channel (``nixl``, :func:`.nixl.container_ports`)."""
     ports = [{"name": "http", "containerPort": process.port, "protocol": "TCP"}]
     if process.kv_port is not None:
         ports.append({"name": KV_PORT_NAME, "containerPort": process.kv_port, "protocol": "TCP"})
-    return ports
+    return ports + nixl.container_ports(spec)
 
 
 def process_env(process: ProcessSpec) -> list[dict[str, Any]]:
@@ -165,9 +181,10 @@ def process_env(process: ProcessSpec) -> list[dict[str, Any]]:
 
 
 def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The hand-off directory: the service's shared PVC, or (http) the pod's own emptyDir."""
-    kv = spec.kv_handoff
-    if kv is None:
+    """The hand-off directory: the service's shared PVC, or (http) the pod's own emptyDir;
+    none with nixl (the KV stays in prefill's registered memory) or without a hand-off."""
+    kv = spec.kv
+    if kv is None or kv.transport == "nixl":
         return [], []
     if kv.transport == "http":
         empty_dir = {"sizeLimit": kv.size_limit} if kv.size_limit else {}
@@ -186,6 +203,7 @@ def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
         amounts["cpu"] = res.cpu
     if res.memory:
         amounts["memory"] = res.memory
+    amounts |= nixl.rdma_resources(spec)
     return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
 
 
@@ -238,10 +256,10 @@ def build_deployment(
         "image": image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": process.argv,
-        "ports": container_ports(process),
-        "env": [*SCRATCH_ENV, *process_env(process)],
+        "ports": container_ports(process, spec),
+        "env": [*SCRATCH_ENV, *process_env(process), *nixl.container_env(spec)],
         "volumeMounts": mounts,
-        "securityContext": container_security_context(),
+        "securityContext": container_security_context(add=nixl.capabilities_add(spec)),
         **http_probes("http", process, startup_s=startup_s),
     }
     if resources := _resources(spec):

@@ -48,6 +48,7 @@ from .common import (
 )
 from .gateway import sync_gateway
 from .indexes import ClassEntry, class_index, classes_of, pool_index, pools_of
+from .kvcheck import kv_mismatch, nixl_problems
 from .modelcheck import model_problems
 from .sloclass import judge
 
@@ -89,6 +90,7 @@ def preflight(ctx: Context, pool: PoolRef, peers: list[PoolRef]) -> list[Problem
     if kv and kv.claim_name and not kube.get("PersistentVolumeClaim", ns, kv.claim_name):
         problems.append(Problem("KVVolumeNotFound", f"PVC {kv.claim_name!r} not found"))
     problems += kv_mismatch(pool, peers)
+    problems += nixl_problems(pool, peers)
     profile = spec.engine.ttft_profile if spec.engine else None
     if profile:
         cm = kube.get("ConfigMap", ns, profile.name)
@@ -99,30 +101,6 @@ def preflight(ctx: Context, pool: PoolRef, peers: list[PoolRef]) -> list[Problem
                 Problem("ProfileNotFound", f"ConfigMap {profile.name!r} has no {profile.key!r}")
             )
     return problems
-
-
-def kv_mismatch(pool: PoolRef, peers: list[PoolRef]) -> list[Problem]:
-    """The service's pools of the other role must hand KV off the same way, or decode
-    silently recomputes every prompt (the hand-off never arrives)."""
-
-    def describe(p: PoolRef) -> str:
-        kv = p.spec.kv_handoff
-        if kv is None:
-            return "no kvHandoff"
-        return f"kvHandoff {kv.transport}" + (f" ({kv.claim_name})" if kv.claim_name else "")
-
-    def key(p: PoolRef) -> tuple[str, str | None] | None:
-        return p.spec.kv_handoff.key() if p.spec.kv_handoff else None
-
-    others = [
-        p
-        for p in peers
-        if p.name != pool.name and p.spec.role != pool.spec.role and key(p) != key(pool)
-    ]
-    if not others:
-        return []
-    theirs = ", ".join(f"{p.spec.role} pool {p.name!r} has {describe(p)}" for p in others)
-    return [Problem("KVHandoffMismatch", f"this pool has {describe(pool)} but {theirs}")]
 
 
 def reconcile_pool(

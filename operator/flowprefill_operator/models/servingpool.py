@@ -11,6 +11,7 @@ from flowprefill.contracts.names import DType
 
 from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscaling, ReplicasOwner
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
+from .kvhandoff import KVHandoff, Transport, nixl_cel
 from .modelsource import ModelSource
 from .podoverlay import PodOverlay, Toleration  # Toleration lives there (the overlay's too)
 
@@ -35,6 +36,38 @@ TP_SHORT_FLAG = "-tp"
 abbreviations and underscore form, ``-tp 2``, ``-tp=2``."""
 
 
+GPU_CEL = (
+    "(self.role == 'prefill' ? (!has(self.engine) || self.engine.device == 'cuda')"
+    " : self.resources.gpusPerPod > 0)"
+)
+"""CEL: the pool runs on GPUs (:attr:`ServingPoolSpec.on_gpu`)."""
+NIXL_CEL = nixl_cel(GPU_CEL)
+KV_TRANSPORT_NEEDED = (
+    "claimName is required with transport sharedDir, the default of kvHandoff on a pool "
+    "without GPUs: set kvHandoff.transport (nixl, http) or kvHandoff.claimName"
+)
+NIXL_BLOCK_SIZE_ARG = (
+    "with transport nixl set the block size with kvHandoff.nixl.blockSize, not --block-size "
+    "in vllmArgs (the operator passes it to decode and to prefill alike)"
+)
+NIXL_CPU_BLOCK_SIZE = (
+    "kvHandoff.nixl.blockSize must be a multiple of 32 on a pool without GPUs "
+    "(vLLM's CPU attention backend)"
+)
+BLOCK_SIZE_ARG_PREFIXES = ("--block-size=", "--block_size")
+BLOCK_SIZE_FLAG = "--block-size"
+NIXL_GPU_BLOCK_SIZE = 16
+"""vLLM's default block size on GPU (what decode uses unless told)."""
+NIXL_CPU_BLOCK_SIZE_DEFAULT = 128
+"""The block size of CPU pools (the producer's CPU default; a multiple of 32)."""
+CPU_BLOCK_MULTIPLE = 32
+
+
+def sets_block_size(arg: str) -> bool:
+    """Whether a vLLM argument sets ``--block-size`` (the CRD's rule, in Python)."""
+    return arg == BLOCK_SIZE_FLAG or arg.startswith(BLOCK_SIZE_ARG_PREFIXES)
+
+
 def sets_tensor_parallel(arg: str) -> bool:
     """Whether a vLLM argument sets the tensor-parallel degree (the CRD's rule, in Python)."""
     return arg == TP_SHORT_FLAG or arg.startswith(TP_ARG_PREFIXES)
@@ -44,74 +77,6 @@ Role = Literal["prefill", "decode"]
 Granularity = Literal["operator", "layer", "none"]
 Policy = Literal["s-edf", "d-edf", "edf", "fcfs"]
 Batching = Literal["slo-aware", "member-headroom", "none"]
-
-
-class KVHandoff(CRModel):
-    """How each prompt's KV cache travels from the prefill pool to the decode pool.
-
-    ``http`` (no shared storage): each prefill pod keeps its hand-offs on its own
-    ``emptyDir`` and serves them at ``GET /v1/kv/<id>`` on its KV port (8300); decode's
-    FlowPrefillConnector pulls each into its own ``emptyDir`` and deletes the source after
-    loading. ``sharedDir``: a ReadWriteMany PVC (``claimName``), the same claim in both
-    pools. Both pools of a service must use the same transport (and claim).
-    """
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "self.transport == 'sharedDir' ? has(self.claimName) : !has(self.claimName)",
-                    "claimName is required with transport sharedDir and not used with http",
-                ),
-                cel(
-                    "self.transport == 'http' || !has(self.sizeLimit)",
-                    "sizeLimit applies to transport http (the emptyDir)",
-                ),
-            ]
-        }
-    )
-
-    transport: Literal["sharedDir", "http"] = Field(
-        default="sharedDir",
-        description="sharedDir: a ReadWriteMany PVC in both pools; http: decode pulls from the "
-        "prefill pod that computed the KV (each pod's own emptyDir).",
-    )
-    claim_name: str | None = Field(
-        default=None, max_length=253, description="ReadWriteMany PVC (transport sharedDir)."
-    )
-    mount_path: str = Field(
-        default="/var/lib/flowprefill/kv",
-        pattern=r"^/",
-        max_length=256,
-        description="Where the hand-off directory is mounted in both roles.",
-    )
-    size_limit: str | None = Field(
-        default=None,
-        pattern=QUANTITY,
-        max_length=64,
-        description="sizeLimit of each pod's emptyDir (transport http); room for maxAgeSeconds "
-        "of hand-offs (KV bytes per token x tokens per second).",
-    )
-    max_age_seconds: int = Field(
-        default=600,
-        ge=10,
-        le=86_400,
-        description="Prefill deletes hand-offs older than this that no decode has claimed.",
-    )
-
-    @model_validator(mode="after")
-    def _mirror_cel(self) -> KVHandoff:
-        if (self.transport == "sharedDir") != (self.claim_name is not None):
-            raise ValueError(
-                "claimName is required with transport sharedDir and not used with http"
-            )
-        if self.transport != "http" and self.size_limit is not None:
-            raise ValueError("sizeLimit applies to transport http (the emptyDir)")
-        return self
-
-    def key(self) -> tuple[str, str | None]:
-        """What both pools of a service must agree on."""
-        return (self.transport, self.claim_name)
 
 
 class ConfigMapKeyRef(CRModel):
@@ -276,6 +241,24 @@ class ServingPoolSpec(CRModel):
                     VLLM_ARGS_TP_REFUSED,
                 ),
                 cel(
+                    "!has(self.kvHandoff) || has(self.kvHandoff.transport)"
+                    " || has(self.kvHandoff.claimName) || has(self.kvHandoff.nixl) || " + GPU_CEL,
+                    KV_TRANSPORT_NEEDED,
+                ),
+                cel(
+                    f"!{NIXL_CEL} || !has(self.vllmArgs) || !self.vllmArgs.exists(a, "
+                    f"a == '{BLOCK_SIZE_FLAG}' || "
+                    + " || ".join(f"a.startsWith('{p}')" for p in BLOCK_SIZE_ARG_PREFIXES)
+                    + ")",
+                    NIXL_BLOCK_SIZE_ARG,
+                ),
+                cel(
+                    f"!{NIXL_CEL} || {GPU_CEL} || !has(self.kvHandoff.nixl)"
+                    " || !has(self.kvHandoff.nixl.blockSize)"
+                    f" || self.kvHandoff.nixl.blockSize % {CPU_BLOCK_MULTIPLE} == 0",
+                    NIXL_CPU_BLOCK_SIZE,
+                ),
+                cel(
                     "self.replicasOwner != 'operator' || has(self.autoscaling)",
                     OPERATOR_NEEDS_AUTOSCALING,
                 ),
@@ -315,8 +298,9 @@ class ServingPoolSpec(CRModel):
     )
     kv_handoff: KVHandoff | None = Field(
         default=None,
-        description="KV hand-off from prefill to decode (same in both pools); unset = decode "
-        "recomputes the prompt.",
+        description="KV hand-off from prefill to decode (same in both pools); unset: nixl "
+        "with its defaults on a pool that runs on GPUs, else none (decode recomputes the "
+        "prompt).",
     )
     vllm: VLLMSettings | None = Field(
         default=None, description="Decode (vLLM) settings (role=decode; defaults apply if unset)."
@@ -369,7 +353,47 @@ class ServingPoolSpec(CRModel):
             raise ValueError(VLLM_ARGS_TP_REFUSED)
         if self.replicas_owner == "operator" and self.autoscaling is None:
             raise ValueError(OPERATOR_NEEDS_AUTOSCALING)
+        kv = self.kv_handoff
+        if kv and not (kv.transport or kv.claim_name or kv.nixl or self.on_gpu):
+            raise ValueError(KV_TRANSPORT_NEEDED)
+        if self.transport == "nixl":
+            if any(sets_block_size(a) for a in self.vllm_args):
+                raise ValueError(NIXL_BLOCK_SIZE_ARG)
+            if not self.on_gpu and self.nixl_block_size % CPU_BLOCK_MULTIPLE:
+                raise ValueError(NIXL_CPU_BLOCK_SIZE)
         return self
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the pool runs on GPUs: a prefill engine on ``cuda``, a decode pool with
+        ``resources.gpusPerPod`` above 0 (vLLM's CPU backend otherwise)."""
+        if self.role == "prefill":
+            return self.engine_settings.device == "cuda"
+        return self.resources.gpus_per_pod > 0
+
+    @property
+    def kv(self) -> KVHandoff | None:
+        """The KV hand-off in effect, its transport resolved: ``kvHandoff`` as given, or
+        ``nixl`` with its defaults on a GPU pool without one; None: no hand-off."""
+        kv = self.kv_handoff
+        if kv is None:
+            return KVHandoff(transport="nixl") if self.on_gpu else None
+        return kv.model_copy(update={"transport": kv.resolve_transport(on_gpu=self.on_gpu)})
+
+    @property
+    def transport(self) -> Transport | None:
+        """The transport in effect (:attr:`kv`); None: no hand-off."""
+        kv = self.kv
+        return kv.transport if kv else None
+
+    @property
+    def nixl_block_size(self) -> int:
+        """Tokens per KV block with the nixl transport: ``kvHandoff.nixl.blockSize``, else
+        vLLM's GPU default (16) or the CPU pools' 128."""
+        kv = self.kv
+        if kv and kv.nixl and kv.nixl.block_size is not None:
+            return kv.nixl.block_size
+        return NIXL_GPU_BLOCK_SIZE if self.on_gpu else NIXL_CPU_BLOCK_SIZE_DEFAULT
 
     @property
     def engine_settings(self) -> EngineSettings:
