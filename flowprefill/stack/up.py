@@ -218,7 +218,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-transport",
-        default=KVTransport.SHARED_DIR,
+        default=KVTransport.NIXL,
         type=name_arg(KVTransport),
         choices=list(KVTransport),
         help="KV hand-off: stock vLLM decode pulls it from prefill's memory over NIXL (nixl), "
@@ -279,7 +279,10 @@ def plan_stack(
                 )
                 if args.kv_transport is KVTransport.NIXL
                 else None,
-            ),
+            )
+            # No decode, nothing to hand off (the NIXL buffer would be held for nobody).
+            if args.decode
+            else None,
         )
         files[f"engine-{i}.json"] = cfg.model_dump_json(indent=2)
         process = prefill_process(

@@ -237,3 +237,47 @@ def test_every_prefill_instance_gets_its_own_kv_port_with_http(
         assert all(p.kv_port is None and "--kv-port" not in p.args for p in prefill)
     ports = [c.process.port for c in children.values()] + [p.kv_port for p in prefill if p.kv_port]
     assert len(ports) == len(set(ports)), ports
+
+
+def test_nixl_is_the_default_and_every_process_gets_its_own_side_channel(tmp_path: Path) -> None:
+    """``up`` hands KV over NIXL by default: prefill instance i's side channel is
+    ``--port`` + PREFILL_SIDE_CHANNEL_PORT - GATEWAY_PORT + i (in its engine.json, with
+    decode's ``--model`` as the served model), decode instance j runs stock vLLM's
+    NixlConnector as a consumer on a side channel of its own, with no FlowPrefill
+    connector or environment; no port is used twice."""
+    import argparse
+
+    from flowprefill.contracts import SLOTable
+    from flowprefill.contracts.deployment import (
+        DECODE_SIDE_CHANNEL_PORT,
+        GATEWAY_PORT,
+        PREFILL_SIDE_CHANNEL_PORT,
+    )
+    from flowprefill.contracts.nixl import SIDE_CHANNEL_PORT_ENV
+    from flowprefill.stack.up import add_arguments, plan_stack
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--port", "9000", "--prefill", "2", "--decode", "2"])
+    plan = plan_stack(args, tmp_path / "m", tmp_path / "p.json", SLOTable.paper(), tmp_path)
+    children = {c.name: c for c in plan.children}
+    sides = []
+    for i in range(2):
+        engine = EngineConfig.model_validate_json(plan.files[f"engine-{i}.json"])
+        assert engine.kv is not None and engine.kv.transport == "nixl" and engine.kv.nixl
+        assert (
+            engine.kv.nixl.side_channel_port == 9000 + PREFILL_SIDE_CHANNEL_PORT - GATEWAY_PORT + i
+        )
+        sides.append(engine.kv.nixl.side_channel_port)
+        decode = children[f"decode-{i}"].process
+        config = json.loads(decode.args[decode.args.index("--kv-transfer-config") + 1])
+        assert config["kv_connector"] == "NixlConnector" and config["kv_role"] == "kv_consumer"
+        assert "kv_connector_module_path" not in config
+        assert not any("FLOWPREFILL" in k for k in decode.env)
+        assert decode.env[SIDE_CHANNEL_PORT_ENV] == str(
+            9000 + DECODE_SIDE_CHANNEL_PORT - GATEWAY_PORT + i
+        )
+        sides.append(int(decode.env[SIDE_CHANNEL_PORT_ENV]))
+        assert engine.kv.nixl.served_model == decode.args[decode.args.index("--model") + 1]
+    ports = [c.process.port for c in children.values()] + sides
+    assert len(ports) == len(set(ports)), ports

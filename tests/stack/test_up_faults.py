@@ -222,7 +222,11 @@ def _decoding(url: str) -> bool:
 
 @pytest.fixture
 def decode_stack(tmp_path: Path) -> Iterator[Stack]:
-    yield from running_stack(tmp_path, "--model", "demo-llama", "--prefill", "1", "--decode", "1")
+    # The file path (shared_dir): the test checks that no hand-off file leaks.
+    yield from running_stack(
+        tmp_path, "--model", "demo-llama", "--prefill", "1", "--decode", "1",
+        "--kv-transport", "shared_dir",
+    )  # fmt: skip
 
 
 @pytest.mark.slow
