@@ -383,3 +383,40 @@ def test_a_gpu_prefill_beside_a_cpu_decode_without_kvhandoff_is_a_mismatch() -> 
         "'m-decode' has no kvHandoff"
     )
     assert nixl_problems(p, [p, d]) == []  # the mismatch says it
+
+
+# ------------------------------------------------------------------ chart and docs
+
+
+def test_the_chart_lets_prefill_and_decode_reach_each_other_on_any_tcp_port() -> None:
+    from flowprefill.contracts.deployment import PREFILL_SIDE_CHANNEL_PORT
+    from tests.operator.chart import allowed
+    from tests.operator.test_chart_policies import NAMESPACED, pods, policies
+
+    a = pods("team-a")
+    prefill, decode, gateway = a["prefill"][0], a["decode"][0], a["gateway"][0]
+    nps = policies(*NAMESPACED)
+    for port in (PREFILL_SIDE_CHANNEL_PORT, 45_678):  # the side channel, a UCX ephemeral port
+        assert allowed(nps, decode, prefill, port)
+        assert allowed(nps, prefill, decode, port)
+        assert not allowed(nps, gateway, prefill, port)  # only the two roles gain it
+        assert not allowed(nps, pods("team-b")["decode"][0], prefill, port)
+    closed = policies(*NAMESPACED, "--set", "networkPolicy.kvOverNixl=false")
+    assert not allowed(closed, decode, prefill, PREFILL_SIDE_CHANNEL_PORT)
+    assert not allowed(closed, prefill, decode, 45_678)
+
+
+def test_the_yaml_in_docs_operator_md_is_admitted(repo_root: Any, crd_schemas: Any) -> None:
+    import re
+
+    import yaml
+
+    text = (repo_root / "docs" / "operator.md").read_text()
+    section = text[text.index("### KV transport") :]
+    block = re.search(r"```yaml\n(kvHandoff:.*?)```", section, re.S)
+    assert block is not None
+    handoff = yaml.safe_load(block.group(1))["kvHandoff"]
+    for role in ("prefill", "decode"):
+        obj = _cr({"role": role, "kvHandoff": handoff})
+        assert validate_cr(obj, crd_schemas) == []
+        assert ServingPoolSpec.model_validate(obj["spec"]).transport == "nixl"
