@@ -102,7 +102,8 @@ class NixlHandoff(CRModel):
         le=1_048_576,
         alias="bufferMiB",
         description="Prefill: the registered KV buffer (MiB) holding prompts decode has not "
-        "pulled yet (engine.json kv.nixl.buffer_mb); counts against the pod's memory.",
+        "pulled yet (engine.json kv.nixl.buffer_mb), on the engine's device: GPU memory on "
+        "cuda, the pod's memory on cpu.",
     )
     block_size: int | None = Field(
         default=None,
