@@ -143,3 +143,34 @@ def test_api_errors_surface_as_kube_errors(cluster: Cluster) -> None:
     with pytest.raises(ApiError) as err:
         cluster.kube.patch("ServingPool", "e2e-none", "missing", {"spec": {"replicas": 1}})
     assert err.value.status == 404 and not err.value.transient
+
+
+def test_a_decode_tp_nixl_cannot_pull_from_is_refused_before_its_pods_start(
+    cluster: Cluster,
+) -> None:
+    """GPU pools default to the nixl transport; vLLM's consumer reads a prefill of TP 4
+    only with decode TP 1 or 4: TP 2 is a condition on both pools, and the decode pool
+    created after the prefill pool gets no Deployment until it is fixed."""
+    ns = "e2e-nixl-tp"
+    create(cluster, pool("m-prefill", "m", engine={"tpSize": 4}, resources={"gpusPerPod": 4}), ns)
+    wait_for(lambda: cluster.condition(ns, "m-prefill", "Degraded")[0] != "", what="prefill seen")
+    decode = pool("m-decode", "m", role="decode", vllm={"tensorParallelSize": 2},
+                  resources={"gpusPerPod": 2})  # fmt: skip
+    create(cluster, decode, ns)
+
+    def reason(name: str) -> str:
+        return cluster.condition(ns, name, "Degraded")[1]
+
+    for name in ("m-prefill", "m-decode"):
+        wait_for(lambda: reason(name) == "NixlTensorParallelRefused", what=f"{name} refused")  # noqa: B023
+    message = next(
+        c["message"]
+        for c in cluster.get("ServingPool", ns, "m-decode")["status"]["conditions"]
+        if c["type"] == "Degraded"
+    )
+    assert "vllm.tensorParallelSize=2" in message and "engine.tpSize=4" in message
+    assert cluster.kube.get("Deployment", ns, "m-decode") is None
+    cluster.kube.patch("ServingPool", ns, "m-decode", {"spec": {"vllm": {"tensorParallelSize": 1}}})
+    wait_for(lambda: cluster.kube.get("Deployment", ns, "m-decode") is not None, what="decode")
+    for name in ("m-prefill", "m-decode"):
+        wait_for(lambda: reason(name) != "NixlTensorParallelRefused", what=f"{name} clears")  # noqa: B023
