@@ -160,7 +160,7 @@ def test_prefill_with_nixl_is_a_producer_at_its_pod_ip() -> None:
 
 def test_served_model_is_decodes_model_argument_and_block_sizes_agree() -> None:
     for nixl in (None, {"blockSize": 64}):
-        handoff = {"kvHandoff": {"nixl": nixl}} if nixl else {}
+        handoff: dict[str, Any] = {"kvHandoff": {"nixl": nixl}} if nixl else {}
         prefill = engine_json(spec(**handoff))["kv"]["nixl"]
         command = container(spec("decode", **handoff))["command"]
         assert prefill["served_model"] == arg(command, "--model") == "/models/llama"
@@ -237,7 +237,7 @@ def test_ipc_lock_is_the_one_thing_restricted_refuses() -> None:
     memory registration) does not, and nothing else of nixl's breaks it (the documented
     exclusion: such pools need a namespace at "baseline" or an SCC that allows it). The
     model comes from a claim here (the checker predates image volumes)."""
-    claim = {"model": {"uri": "pvc://weights"}}
+    claim: dict[str, Any] = {"model": {"uri": "pvc://weights"}}
     assert restricted_violations(pod(spec(**claim))) == []
     assert restricted_violations(pod(spec("decode", **claim))) == []
     rdma = pod(spec(kvHandoff={"nixl": RDMA_NIXL}, **claim))
@@ -335,7 +335,7 @@ def refs(prefill: ServingPoolSpec, decode: ServingPoolSpec) -> tuple[PoolRef, Po
     return PoolRef("m-prefill", "ns", "u1", prefill), PoolRef("m-decode", "ns", "u2", decode)
 
 
-TP = {"engine": {"tpSize": 4}, "resources": {"gpusPerPod": 4}}
+TP: dict[str, Any] = {"engine": {"tpSize": 4}, "resources": {"gpusPerPod": 4}}
 
 
 @pytest.mark.parametrize("decode_tp", [1, 4])
@@ -356,7 +356,7 @@ def test_a_decode_tp_vllm_cannot_pull_is_refused_before_pods_start() -> None:
         assert "engine.tpSize=4" in problem.message
         assert "use decode TP 1 or 4" in problem.message
     # Over http the connector gathers any layout: no refusal.
-    http = {"kvHandoff": {"transport": "http"}}
+    http: dict[str, Any] = {"kvHandoff": {"transport": "http"}}
     p, d_ref = refs(spec(**TP, **http), spec("decode", **http, vllm={"tensorParallelSize": 2},
                                              resources={"gpusPerPod": 2}))  # fmt: skip
     assert nixl_problems(p, [p, d_ref]) == []
@@ -368,7 +368,7 @@ def test_block_size_model_and_device_must_agree() -> None:
     assert problem.reason == MISMATCH and not problem.blocks_pods
     assert "kvHandoff.nixl.blockSize (prefill 32, decode 16)" in problem.message
     other = spec("decode", model={"path": "/models/other", "image": MODEL["image"]})
-    [problem] = nixl_problems(p, refs(spec(), other))
+    [problem] = nixl_problems(p, list(refs(spec(), other)))
     assert "decode --model '/models/other'" in problem.message
     p, d = refs(spec(kvHandoff={"nixl": {"blockSize": 128}}), cpu("decode", kvHandoff={"nixl": {}}))
     [problem] = nixl_problems(p, [p, d])
