@@ -292,6 +292,11 @@ BAD = [
     ({"kvHandoff": {"transport": "nixl", "claimName": "kv"}}, "not used with http or nixl"),
     ({"kvHandoff": {"nixl": {"rdma": {"resources": {"rdma/ib": "one"}}}}}, "resources"),
     ({"kvHandoff": {"nixl": {"bufferMiB": 0}}}, "bufferMiB"),
+    ({"kvHandoff": {"nixl": {"rdma": {"resources": {"memory": "1Gi"}}}}}, "extended resources"),
+    (
+        {"kvHandoff": {"nixl": {"rdma": {"resources": {"nvidia.com/gpu": "1"}}}}},
+        "must not name resources.gpuResourceName",
+    ),
     ({**CPU_DECODE, "kvHandoff": {"nixl": {"blockSize": 48}}}, "multiple of 32"),
     ({"role": "decode", "vllmArgs": ["--block-size", "32"]}, "not --block-size in vllmArgs"),
     ({"role": "decode", "vllmArgs": ["--block-size=32"]}, "not --block-size in vllmArgs"),

@@ -31,6 +31,9 @@ UCX_ENV_OWN_FIELDS = (
 CLAIM_RULE = "claimName is required with transport sharedDir and not used with http or nixl"
 SIZE_LIMIT_RULE = "sizeLimit applies to transport http (the emptyDir)"
 NIXL_RULE = "nixl (bufferMiB, blockSize, ucx, rdma, ipcLock) applies to transport nixl"
+RDMA_EXTENDED = (
+    "rdma.resources names extended resources (domain/name, e.g. rdma/ib), not cpu or memory"
+)
 
 
 class UCXSettings(CRModel):
@@ -85,12 +88,27 @@ class UCXSettings(CRModel):
 class RDMASettings(CRModel):
     """The RDMA devices NIXL's UCX needs on the node (a device plugin's resources)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!has(self.resources) || self.resources.all(k, k.contains('/'))",
+                    RDMA_EXTENDED),
+            ]
+        }
+    )  # fmt: skip
+
     resources: dict[str, Annotated[str, Field(max_length=64, pattern=QUANTITY)]] = Field(
         default_factory=dict,
         max_length=8,
         description="Extended resources per pod, requests and limits alike (e.g. "
         "{rdma/ib: '1'} or {nvidia.com/hostdev: '1'}).",
     )
+
+    @model_validator(mode="after")
+    def _mirror_cel(self) -> RDMASettings:
+        if any("/" not in k for k in self.resources):
+            raise ValueError(RDMA_EXTENDED)
+        return self
 
 
 class NixlHandoff(CRModel):

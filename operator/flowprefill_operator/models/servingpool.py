@@ -54,6 +54,10 @@ NIXL_CPU_BLOCK_SIZE = (
     "kvHandoff.nixl.blockSize must be a multiple of 32 on a pool without GPUs "
     "(vLLM's CPU attention backend)"
 )
+RDMA_NOT_GPU = (
+    "kvHandoff.nixl.rdma.resources must not name resources.gpuResourceName "
+    "(set GPUs with resources.gpusPerPod)"
+)
 BLOCK_SIZE_ARG_PREFIXES = ("--block-size=", "--block_size")
 BLOCK_SIZE_FLAG = "--block-size"
 NIXL_GPU_BLOCK_SIZE = 16
@@ -259,6 +263,12 @@ class ServingPoolSpec(CRModel):
                     NIXL_CPU_BLOCK_SIZE,
                 ),
                 cel(
+                    "!has(self.kvHandoff) || !has(self.kvHandoff.nixl)"
+                    " || !has(self.kvHandoff.nixl.rdma) || !has(self.kvHandoff.nixl.rdma.resources)"
+                    " || !(self.resources.gpuResourceName in self.kvHandoff.nixl.rdma.resources)",
+                    RDMA_NOT_GPU,
+                ),
+                cel(
                     "self.replicasOwner != 'operator' || has(self.autoscaling)",
                     OPERATOR_NEEDS_AUTOSCALING,
                 ),
@@ -356,6 +366,9 @@ class ServingPoolSpec(CRModel):
         kv = self.kv_handoff
         if kv and not (kv.transport or kv.claim_name or kv.nixl or self.on_gpu):
             raise ValueError(KV_TRANSPORT_NEEDED)
+        rdma = kv.nixl.rdma if kv and kv.nixl else None
+        if rdma and self.resources.gpu_resource_name in rdma.resources:
+            raise ValueError(RDMA_NOT_GPU)
         if self.transport == "nixl":
             if any(sets_block_size(a) for a in self.vllm_args):
                 raise ValueError(NIXL_BLOCK_SIZE_ARG)
