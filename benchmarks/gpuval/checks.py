@@ -26,6 +26,7 @@ from benchmarks.gpuval.common import (
     plain_forward,
     same_result,
 )
+from benchmarks.gpuval.nixl_pages import nixl_page_checks
 from flowprefill.prefill.executor.preemption import TaskControl
 
 DEVICE_TESTS = ("tests/prefill/executor/test_device.py",)
@@ -101,6 +102,10 @@ def section_checks(ctx: Context, rec: dict[str, Any], deadline: float) -> None:
         attention_kernel(ctx, checks)
     park_at = every_check(ctx, checks, prompt)
     on_preempt(ctx, checks, prompt, park_at)
+    if ctx.cuda:
+        nixl_page_checks(ctx.device, ctx.dtype, checks.add)
+    else:
+        checks.add("NIXL KV pages in device memory", None, "", cuda_only=True)
     if any(item["status"] == "failed" for item in checks.items):
         rec["status"] = "failed"
     title = "CUDA correctness checks" + ("" if ctx.cuda else " (CPU: stream checks skipped)")
