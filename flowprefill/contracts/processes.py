@@ -30,6 +30,7 @@ from flowprefill.contracts.deployment import (
 from flowprefill.contracts.kv import connector_config, kv_transfer_config
 from flowprefill.contracts.names import KVTransport, Role
 from flowprefill.contracts.nixl import (
+    FLASH_ATTENTION,
     SIDE_CHANNEL_HOST_ENV,
     SIDE_CHANNEL_PORT_ENV,
     consumer_kv_transfer_config,
@@ -160,6 +161,11 @@ def decode_process(
         "--model", model_path, *_listen(host, port),
         "--kv-transfer-config", json.dumps(config, separators=(",", ":")),
     ]  # fmt: skip
+    if kv_transport is KVTransport.NIXL and not cpu:
+        # Our pages are written in FLASH_ATTN's layout (flowprefill.kv.nixl.layout); a
+        # decode that picked another backend would refuse the handshake (the backend is in
+        # its hash) and recompute every prompt.
+        args += ["--attention-backend", FLASH_ATTENTION]
     if tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return ProcessSpec(
