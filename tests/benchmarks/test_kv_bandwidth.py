@@ -12,15 +12,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.kv import bandwidth
-from benchmarks.kv.bandwidth import (
-    ROWS,
+from benchmarks.kv import bandwidth, bw_nixl
+from benchmarks.kv.bandwidth import ROWS, rotated
+from benchmarks.kv.bw_common import (
+    BLOCK,
     TOKEN_BYTES,
     TransferCorrupted,
     check_received,
+    crc32,
     fill_pattern,
     parse_size,
-    rotated,
+    run_memcpy,
     whole_tokens,
 )
 
@@ -36,7 +38,7 @@ def test_a_tiny_run_moves_every_byte_of_every_transport(
     assert bandwidth.main(argv) == 0
     data = json.loads(out.read_text())
     samples: list[dict[str, Any]] = data["samples"]
-    nixl = bandwidth.nixl_module() is not None
+    nixl = bw_nixl.nixl_module() is not None
     want_rows = [r for r in ROWS if nixl or not r.startswith("nixl")]
     assert sorted((s["row"], s["nbytes"]) for s in samples) == sorted(
         (r, n) for r in want_rows for n in SIZES
@@ -64,9 +66,9 @@ def test_a_corrupted_copy_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
         real(dst, src)
         dst[-1] ^= 1
 
-    monkeypatch.setattr(bandwidth.np, "copyto", flipping)
+    monkeypatch.setattr(np, "copyto", flipping)
     with pytest.raises(TransferCorrupted, match="memcpy"):
-        bandwidth.run_memcpy(1 << 20, seed=1)
+        run_memcpy(1 << 20, seed=1)
 
 
 def test_check_received_compares_crcs() -> None:
@@ -76,17 +78,17 @@ def test_check_received_compares_crcs() -> None:
 
 
 def test_the_fill_pattern_tells_blocks_apart() -> None:
-    buf = np.empty(3 * bandwidth.BLOCK + 100, np.uint8)
+    buf = np.empty(3 * BLOCK + 100, np.uint8)
     fill_pattern(buf, seed=7)
     swapped = buf.copy()
-    swapped[: bandwidth.BLOCK], swapped[bandwidth.BLOCK : 2 * bandwidth.BLOCK] = (
-        buf[bandwidth.BLOCK : 2 * bandwidth.BLOCK].copy(),
-        buf[: bandwidth.BLOCK].copy(),
+    swapped[:BLOCK], swapped[BLOCK : 2 * BLOCK] = (
+        buf[BLOCK : 2 * BLOCK].copy(),
+        buf[:BLOCK].copy(),
     )
-    assert bandwidth.crc32(swapped) != bandwidth.crc32(buf)
+    assert crc32(swapped) != crc32(buf)
     other = np.empty_like(buf)
     fill_pattern(other, seed=8)
-    assert bandwidth.crc32(other) != bandwidth.crc32(buf)
+    assert crc32(other) != crc32(buf)
 
 
 def test_sizes_and_rotation() -> None:
@@ -100,7 +102,7 @@ def test_sizes_and_rotation() -> None:
 def test_without_nixl_its_rows_say_so_and_the_rest_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(bandwidth, "NIXL_PACKAGES", ("no_such_nixl_package",))
+    monkeypatch.setattr(bw_nixl, "NIXL_PACKAGES", ("no_such_nixl_package",))
     out = tmp_path / "kvbw.json"
     argv = [
         "--sizes",
