@@ -139,7 +139,6 @@ def test_fresh_engine_id_per_producer(producer: NixlProducer) -> None:
     try:
         assert other.engine_id != producer.engine_id
         assert other.agent_name != producer.agent_name
-        assert producer.engine_id in producer.agent_name
         assert other.port != producer.port
         assert other.agent_metadata()["engine_id"] == other.engine_id
     finally:
