@@ -138,6 +138,7 @@ class RankCommand(Name):
     RESUME = "resume"  # (key,)
     CANCEL = "cancel"  # (key,)
     REPORT = "report"  # () → {key: checkpoints where the task parked}
+    PUBLISH_KV = "publish_kv"  # (prompt digest, block ids) → ("ok", "") | ("error", why)
     STOP = "stop"  # ()
 
 

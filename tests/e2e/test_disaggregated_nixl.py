@@ -1,5 +1,6 @@
 """End to end over NIXL: openai client → gateway → FlowPrefill prefill (TP=1 and TP=2) →
-stock vLLM decode (``NixlConnector``) pulling the prompt's KV from prefill's memory.
+stock vLLM decode (``NixlConnector``) pulling the prompt's KV from prefill's memory; with
+TP=2 each prefill rank serves its own heads and decode (TP=1) reads from both.
 
 Decode runs with a poisoned ``flowprefill`` first on its path (importing it raises), and
 without prefix caching, so the reference "vLLM alone" never reuses pulled blocks. Needs
@@ -20,7 +21,13 @@ import httpx
 import openai
 import pytest
 
-from flowprefill.contracts import Endpoint, EngineConfig, GatewayConfig, NixlSettings
+from flowprefill.contracts import (
+    Endpoint,
+    EngineConfig,
+    GatewayConfig,
+    KVHandoffSettings,
+    NixlSettings,
+)
 from flowprefill.contracts.names import DType
 from flowprefill.gateway.app import create_gateway_app
 from flowprefill.gateway.cli import build_state
@@ -54,11 +61,18 @@ TABLE = {
 }  # fmt: skip
 
 
-def sink_for(model_dir: str, config: Any) -> NixlSink:
+SETTINGS = NixlSettings(side_channel_port=0, buffer_mb=16)
+
+
+def sink_for(model_dir: str, config: Any, group: Any = None) -> NixlSink:
+    """Rank 0's producer; with a TP ``group`` the other ranks serve their own heads."""
     return nixl_sink(
-        NixlSettings(side_channel_port=0, buffer_mb=16),
+        SETTINGS,
         model_path=model_dir, model_config=config, dtype=DType.FLOAT32, device="cpu",
         host="127.0.0.1",
+        peers=group.kv_peers if group is not None else None,
+        publish_peers=group.publish_kv if group is not None else None,
+        peer_notifications=group.drain_kv_notifications if group is not None else None,
     )  # fmt: skip
 
 
@@ -100,10 +114,16 @@ def gw(request: pytest.FixtureRequest, decode: dict[str, Any]) -> Iterator[dict[
             model = load_model(decode["model_dir"])
             backend: Any = es.enter_context(PreemptibleExecutor(model, granularity="operator"))
         else:
-            config = EngineConfig(model_path=decode["model_dir"], tp_size=2, num_threads=1)
+            config = EngineConfig(
+                model_path=decode["model_dir"], tp_size=2, num_threads=1,
+                kv=KVHandoffSettings(transport="nixl", nixl=SETTINGS),
+            )  # fmt: skip
             backend = es.enter_context(TPPrefillBackend(config))
         engine = PrefillEngine(backend, TTFTPredictor.linear(1e-4), batching="none")
-        sink = sink_for(decode["model_dir"], model_config_of(backend))
+        group = backend.group if tp == 2 else None
+        sink = sink_for(decode["model_dir"], model_config_of(backend), group)
+        if tp == 2:  # every rank serves its own heads: rank 1's agent is in the handshake
+            assert sink.producer.tp_size == 2 and sink.producer.layout.num_kv_heads == 1
         es.callback(sink.close)
         app = create_app(engine, kv_sink=sink)
         add_discard_route(app, sink.discard)
@@ -142,7 +162,8 @@ def test_openai_client_gets_vllms_tokens_over_nixl(
     # Both requests' KV came over NIXL: vLLM counted the bytes, our leases ended.
     sink: NixlSink = gw["sink"]
     layout, layers = sink.producer.layout, sink.producer.pool.num_layers
-    moved = (layout.num_blocks(301) + layout.num_blocks(300)) * layout.block_bytes * layers
+    blocks = layout.num_blocks(301) + layout.num_blocks(300)
+    moved = blocks * layout.block_bytes * layers * sink.producer.tp_size  # every rank's heads
     deadline = time.monotonic() + 30
     while nixl_bytes(decode["url"]) - before < moved:
         assert time.monotonic() < deadline, "vLLM's nixl metrics show no bytes moved"

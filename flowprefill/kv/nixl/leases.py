@@ -22,9 +22,9 @@ from flowprefill.contracts.nixl import DEFAULT_LEASE_S, LEASE_EXTENSION_FRACTION
 class Lease:
     block_ids: list[int]
     expires_at: float
-    reads: int = 0
-    expected_reads: int | None = None
-    published_at: float = field(default=0.0)
+    reads: dict[int, int] = field(default_factory=dict)
+    """Reads done, by producer rank."""
+    published_at: float = 0.0
 
 
 class Leases:
@@ -35,9 +35,13 @@ class Leases:
         release: Callable[[Sequence[int]], None],
         lease_s: float = DEFAULT_LEASE_S,
         clock: Callable[[], float] = time.monotonic,
+        ranks: int = 1,
     ) -> None:
+        """``ranks``: producer ranks that each hold their heads of every lease's blocks and
+        are each notified when read (tensor parallelism)."""
         if lease_s <= 0:
             raise ValueError(f"a lease must last > 0 s, got {lease_s}")
+        self.ranks = ranks
         self.lease_s = lease_s
         self._release = release
         self._clock = clock
@@ -64,16 +68,17 @@ class Leases:
         if old is not None:
             self._release(old.block_ids)
 
-    def read_done(self, request_id: str, consumers: int) -> bool:
-        """One of ``consumers`` readers is done; True when the lease ended with it. An
-        unknown id (already expired or freed) is False."""
+    def read_done(self, request_id: str, consumers: int, rank: int = 0) -> bool:
+        """One of the ``consumers`` readers of ``rank``'s blocks is done; True when the
+        lease ended with it (every rank read by all its consumers). An unknown id (already
+        expired or freed) is False."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
                 return False
-            lease.reads += 1
-            lease.expected_reads = max(1, consumers)
-            if lease.reads < lease.expected_reads:
+            lease.reads[rank] = lease.reads.get(rank, 0) + 1
+            needed = max(1, consumers)
+            if any(lease.reads.get(r, 0) < needed for r in range(self.ranks)):
                 return False
             del self._leases[request_id]
             self.completed_total += 1

@@ -93,7 +93,7 @@ class BlockPool:
     ) -> None:
         """Lay out each layer's ``(key, value)`` (``[H, T, D]``, or ``[1, H, T, D]``) in
         ``block_ids`` (``layout.num_blocks(T)`` of them or more; extra blocks are left as
-        they are)."""
+        they are). The last block's slots past ``T`` are zeroed."""
         if len(layers) != self.num_layers:
             raise KVHandoffError(f"KV of {len(layers)} layers for a pool of {self.num_layers}")
         index = torch.tensor(block_ids, dtype=torch.long, device=self.buffer.device)
@@ -106,7 +106,9 @@ class BlockPool:
                     f"{key.shape[1]} tokens need {need} blocks, got {len(block_ids)}"
                 )
             # Pack contiguously, then scatter: the request's blocks need not be adjacent.
-            staged = torch.empty(
+            # Zeros, not empty: the last block's slots past the prompt are copied too, and
+            # vLLM's CPU kernel turns NaN there (uninitialised memory) into NaN output.
+            staged = torch.zeros(
                 (need, self.layout.block_elements),
                 dtype=self.buffer.dtype,
                 device=self.buffer.device,

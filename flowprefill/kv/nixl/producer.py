@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from flowprefill.contracts.nixl import (
     compatibility_hash,
 )
 from flowprefill.errors import KVHandoffError
+from flowprefill.kv.format import token_ids_digest
 from flowprefill.kv.nixl.layout import PageLayout
 from flowprefill.kv.nixl.leases import Leases
 from flowprefill.kv.nixl.pool import BlockPool
@@ -74,13 +75,99 @@ def _nixl() -> Any:
     return api
 
 
+class NixlRegion:
+    """One rank's NIXL agent and its registered :class:`BlockPool` (every rank of an
+    instance has one; only rank 0 also runs the side channel and the leases).
+
+    ``name_prefix`` + a fresh uuid names the agent: a peer that restarts under an old name
+    makes consumers fail with ``NIXL_ERR_REMOTE_DISCONNECT``."""
+
+    def __init__(
+        self, layout: PageLayout, pool: BlockPool, name_prefix: str = "flowprefill"
+    ) -> None:
+        api = _nixl()
+        self.layout, self.pool = layout, pool
+        self.agent_name = f"{name_prefix}-{uuid.uuid4()}"
+        self.agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=["UCX"]))
+        device = pool.buffer.device
+        self.mem_type = "DRAM" if device.type == "cpu" else "VRAM"
+        self.device_id = 0 if device.type == "cpu" else int(device.index or 0)
+        self._reg_descs = self.agent.get_reg_descs(
+            [(pool.buffer.data_ptr(), pool.nbytes, self.device_id, "")], self.mem_type
+        )
+        self.agent.register_memory(self._reg_descs)
+
+    def agent_metadata(self, engine_id: str) -> dict[str, Any]:
+        """vLLM's ``NixlAgentMetadata`` fields for this rank, under ``engine_id`` (every
+        rank of an instance answers with the instance's one engine id)."""
+        layers, blocks = self.pool.num_layers, self.pool.num_blocks
+        block_len = self.layout.block_bytes
+        return {
+            "engine_id": engine_id,
+            "agent_metadata": self.agent.get_agent_metadata(),
+            "kv_caches_base_addr": self.pool.region_addresses(),
+            "device_id": self.device_id,
+            "num_blocks": blocks,
+            "block_lens": [block_len] * layers,
+            "block_strides": [block_len] * layers,
+            "kv_cache_layout": LAYOUT_NAME,
+            "block_size": self.layout.block_size,
+            "ssm_sizes": (0, 0),
+            "attn_backend_name": self.layout.backend,
+            "physical_blocks_per_logical_kv_block": 1,
+            "region_num_blocks": [blocks] * layers,
+            "region_group_ids": [0] * layers,
+            # vLLM names regions after its own modules; None skips that comparison
+            # (the layer count, block lengths and hash are still checked).
+            "region_names": None,
+            "region_mem_types": [self.mem_type] * layers,
+            "dcp_size": 1,
+            "pcp_size": 1,
+            "ple_block_len": None,
+            "region_members": [],
+            "packed_member_layouts": {},
+        }
+
+    def write(
+        self, block_ids: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Lay ``layers`` out in ``block_ids``; on a GPU, finished when this returns (the
+        consumer READs as soon as it has the answer)."""
+        self.pool.write(block_ids, layers)
+        if self.pool.buffer.device.type == "cuda":
+            torch.cuda.current_stream(self.pool.buffer.device).synchronize()
+
+    def drain_notifications(self) -> list[str]:
+        return [
+            raw.decode("utf-8", "replace")
+            for messages in self.agent.get_new_notifs().values()
+            for raw in messages
+        ]
+
+    def close(self) -> None:
+        try:
+            self.agent.deregister_memory(self._reg_descs)
+        except Exception:  # the process is going away; nothing to keep consistent
+            log.debug("NIXL: deregistering failed", exc_info=True)
+
+
+PeerPublish = Callable[[str, list[int]], None]
+"""(prompt digest, block ids) → every other rank has written its heads of that prompt's
+KV into those blocks (tensor parallelism; :meth:`RankGroup.publish_kv`)."""
+
+
 class NixlProducer:
     """Serve prompts' KV to stock vLLM consumers; ``close`` stops and deregisters.
 
     ``host``/``port``: where the side channel listens (port 0 picks one);
     ``advertise_host``: the address consumers reach it at (the pod IP), which the
-    answers carry as ``remote_host``. ``tp_rank``/``tp_size``: this producer's place
-    among an instance's ranks (each serves its own heads)."""
+    answers carry as ``remote_host``.
+
+    Tensor parallelism: ``peers`` are the other ranks' :meth:`NixlRegion.agent_metadata`
+    by rank (each rank's pool holds its own heads, the same block count), and
+    ``publish_peers`` has them write their heads of a prompt into the blocks rank 0 chose;
+    consumers handshake with every rank through this side channel (``tp_rank``) and read
+    each rank's heads from its own agent."""
 
     def __init__(
         self,
@@ -92,33 +179,37 @@ class NixlProducer:
         port: int = 0,
         advertise_host: str | None = None,
         lease_s: float = DEFAULT_LEASE_S,
-        tp_size: int = 1,
+        peers: dict[int, dict[str, Any]] | None = None,
+        publish_peers: PeerPublish | None = None,
+        peer_notifications: Callable[[], list[tuple[int, str]]] | None = None,
     ) -> None:
-        api = _nixl()
+        peers = peers or {}
+        if sorted(peers) != list(range(1, len(peers) + 1)):
+            raise KVHandoffError(f"NIXL peers must be ranks 1..n, got {sorted(peers)}")
+        if peers and publish_peers is None:
+            raise KVHandoffError("NIXL peers need a way to publish their heads")
         self.model, self.layout, self.pool = model, layout, pool
-        self.tp_size = tp_size
+        self.tp_size = 1 + len(peers)
+        self._publish_peers = publish_peers
+        self._peer_notifications = peer_notifications
         self.engine_id = str(uuid.uuid4())
-        self.agent_name = f"flowprefill-{self.engine_id}"
-        self._agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=["UCX"]))
-        device = pool.buffer.device
-        self._mem_type = "DRAM" if device.type == "cpu" else "VRAM"
-        self._device_id = 0 if device.type == "cpu" else int(device.index or 0)
-        descs = self._agent.get_reg_descs(
-            [(pool.buffer.data_ptr(), pool.nbytes, self._device_id, "")], self._mem_type
-        )
-        self._agent.register_memory(descs)
-        self._reg_descs = descs
-        self.leases = Leases(pool.release, lease_s)
-        self.side_channel = SideChannel(host, port, {(0, 0): self._handshake_payload()})
+        self.region = NixlRegion(layout, pool, name_prefix=f"flowprefill-{self.engine_id[:8]}")
+        self.agent_name = self.region.agent_name
+        self.leases = Leases(pool.release, lease_s, ranks=self.tp_size)
+        payloads = {(0, 0): self._handshake_payload(self.region.agent_metadata(self.engine_id))}
+        for rank, metadata in peers.items():
+            payloads[(0, rank)] = self._handshake_payload({**metadata, "engine_id": self.engine_id})
+        self.side_channel = SideChannel(host, port, payloads)
         self.host = advertise_host or (host if host not in ("", "0.0.0.0", "::") else "127.0.0.1")
         self.port = self.side_channel.port
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="nixl-notifs", daemon=True)
         self._thread.start()
         log.info(
-            "NIXL producer %s: %d blocks × %d layers (%.1f MiB) on %s, side channel %s:%d",
-            self.engine_id, pool.num_blocks, pool.num_layers, pool.nbytes / 2**20, device,
-            self.host, self.port,
+            "NIXL producer %s: %d blocks × %d layers (%.1f MiB) on %s, %d rank(s), "
+            "side channel %s:%d",
+            self.engine_id, pool.num_blocks, pool.num_layers, pool.nbytes / 2**20,
+            pool.buffer.device, self.tp_size, self.host, self.port,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ handshake
@@ -134,40 +225,14 @@ class NixlProducer:
         )
 
     def agent_metadata(self) -> dict[str, Any]:
-        """vLLM's ``NixlAgentMetadata`` fields for this producer's one rank."""
-        layers, blocks = self.pool.num_layers, self.pool.num_blocks
-        block_len = self.layout.block_bytes
-        return {
-            "engine_id": self.engine_id,
-            "agent_metadata": self._agent.get_agent_metadata(),
-            "kv_caches_base_addr": self.pool.region_addresses(),
-            "device_id": self._device_id,
-            "num_blocks": blocks,
-            "block_lens": [block_len] * layers,
-            "block_strides": [block_len] * layers,
-            "kv_cache_layout": LAYOUT_NAME,
-            "block_size": self.layout.block_size,
-            "ssm_sizes": (0, 0),
-            "attn_backend_name": self.layout.backend,
-            "physical_blocks_per_logical_kv_block": 1,
-            "region_num_blocks": [blocks] * layers,
-            "region_group_ids": [0] * layers,
-            # vLLM names regions after its own modules; None skips that comparison
-            # (the layer count, block lengths and hash are still checked).
-            "region_names": None,
-            "region_mem_types": [self._mem_type] * layers,
-            "dcp_size": 1,
-            "pcp_size": 1,
-            "ple_block_len": None,
-            "region_members": [],
-            "packed_member_layouts": {},
-        }
+        """vLLM's ``NixlAgentMetadata`` fields for rank 0."""
+        return self.region.agent_metadata(self.engine_id)
 
-    def _handshake_payload(self) -> bytes:
+    def _handshake_payload(self, metadata: dict[str, Any]) -> bytes:
         return msgspec.msgpack.encode(
             {
                 "compatibility_hash": self.compatibility_hash(),
-                "agent_metadata_bytes": msgspec.msgpack.encode(self.agent_metadata()),
+                "agent_metadata_bytes": msgspec.msgpack.encode(metadata),
             }
         )
 
@@ -178,9 +243,11 @@ class NixlProducer:
         request_id: str,
         layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
         consumer_tokens: int,
+        token_ids: Sequence[int] | None = None,
     ) -> RemotePrefill:
-        """Lay ``layers`` (each ``[H, T, D]``, or ``[1, H, T, D]``) out in free blocks and
-        hold them for ``request_id`` until read or expired.
+        """Lay ``layers`` (rank 0's heads, each ``[H, T, D]`` or ``[1, H, T, D]``) out in
+        free blocks, have the other ranks write theirs (``token_ids`` names the prompt to
+        them), and hold the blocks for ``request_id`` until read or expired.
 
         ``consumer_tokens``: the length of the prompt decode will be sent (``T`` for a
         vLLM-style P/D request, ``T + 1`` when decode is sent the prompt and our first
@@ -190,12 +257,14 @@ class NixlProducer:
         num_tokens = int(key.shape[-2])
         if consumer_tokens < num_tokens:
             raise KVHandoffError(f"decode prompt of {consumer_tokens} < {num_tokens} KV tokens")
+        if self._publish_peers is not None and token_ids is None:
+            raise KVHandoffError("tensor-parallel publishing needs the prompt's token ids")
         blocks = self.pool.allocate(self.layout.num_blocks(consumer_tokens))
         try:
-            self.pool.write(blocks, layers)
-            if self.pool.buffer.device.type == "cuda":
-                # The consumer READs as soon as it has the answer.
-                torch.cuda.current_stream(self.pool.buffer.device).synchronize()
+            self.region.write(blocks, layers)
+            if self._publish_peers is not None:
+                assert token_ids is not None
+                self._publish_peers(token_ids_digest(token_ids), blocks)
         except BaseException:
             self.pool.release(blocks)
             raise
@@ -224,14 +293,19 @@ class NixlProducer:
                 log.exception("NIXL producer: reading notifications failed")
 
     def poll(self) -> None:
-        """Handle the notifications that arrived and end expired leases."""
-        for messages in self._agent.get_new_notifs().values():
-            for raw in messages:
-                self._on_notification(raw.decode("utf-8", "replace"))
+        """Handle the notifications that arrived and end expired leases. Under tensor
+        parallelism each rank is notified when a read of *its* blocks finished (the
+        notification rides on the READ), so a lease ends once every rank was: the other
+        ranks' notifications arrive through ``peer_notifications``."""
+        for message in self.region.drain_notifications():
+            self._on_notification(message, 0)
+        if self._peer_notifications is not None:
+            for rank, message in self._peer_notifications():
+                self._on_notification(message, rank)
         for request_id in self.leases.expire():
             log.warning("NIXL producer: KV of %s was never read; lease expired", request_id)
 
-    def _on_notification(self, message: str) -> None:
+    def _on_notification(self, message: str, rank: int) -> None:
         if message.startswith(HEARTBEAT_PREFIX):
             self.leases.heartbeat([r for r in message[len(HEARTBEAT_PREFIX) :].split(",") if r])
             return
@@ -241,14 +315,11 @@ class NixlProducer:
         except ValueError:
             log.warning("NIXL producer: ignoring notification %r", message)
             return
-        if not self.leases.read_done(request_id, count) and request_id not in self.leases:
+        if not self.leases.read_done(request_id, count, rank) and request_id not in self.leases:
             log.warning("NIXL producer: %s was read after its lease ended", request_id)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=1.0)
         self.side_channel.close()
-        try:
-            self._agent.deregister_memory(self._reg_descs)
-        except Exception:  # the process is going away; nothing to keep consistent
-            log.debug("NIXL producer: deregistering failed", exc_info=True)
+        self.region.close()

@@ -73,10 +73,10 @@ class SideChannel:
         identity, _, body = frames
         try:
             message, pp_rank, tp_rank = msgspec.msgpack.decode(body)
-        except (msgspec.DecodeError, ValueError, TypeError):
+            payload = self.payloads.get((pp_rank, tp_rank))
+        except (msgspec.DecodeError, ValueError, TypeError):  # TypeError: unhashable ranks
             log.warning("NIXL side channel: ignoring an undecodable message")
             return None
-        payload = self.payloads.get((pp_rank, tp_rank))
         if message != GET_META_MSG or payload is None:
             # A REQ socket waits for an answer; none makes the consumer time out with
             # a clear "no metadata" error rather than decode something wrong.

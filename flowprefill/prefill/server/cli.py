@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(config, backend, predictor)
         model_config = model_config_of(backend)
         if config.kv is not None and config.kv.transport is KVTransport.NIXL:
-            nixl = nixl_handoff(config, args.host, model_config)
+            nixl = nixl_handoff(config, args.host, backend, model_config)
             closing.callback(nixl.close)
             app = create_app(engine, kv_sink=nixl)
             add_discard_route(app, nixl.discard)
@@ -217,11 +217,13 @@ def run(args: argparse.Namespace) -> int:
     return 1 if tp is not None and tp.group.failure is not None else 0
 
 
-def nixl_handoff(config: EngineConfig, host: str, model_config: Any) -> NixlSink:
-    """This instance as a NIXL producer (``nixl`` transport) for rank 0's device."""
+def nixl_handoff(config: EngineConfig, host: str, backend: Any, model_config: Any) -> NixlSink:
+    """This instance as a NIXL producer (``nixl`` transport), rank 0 on its device."""
     from flowprefill.prefill.server.nixl_sink import nixl_sink
+    from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
 
     assert config.kv is not None
+    group = backend.group if isinstance(backend, TPPrefillBackend) else None
     return nixl_sink(
         config.kv.nixl,
         model_path=config.model_path,
@@ -229,6 +231,10 @@ def nixl_handoff(config: EngineConfig, host: str, model_config: Any) -> NixlSink
         dtype=config.dtype,
         device=config.device,
         host=host,
+        # Tensor parallelism: every rank serves its own heads (prefill/tp/kv_ranks.py).
+        peers=group.kv_peers if group is not None else None,
+        publish_peers=group.publish_kv if group is not None else None,
+        peer_notifications=group.drain_kv_notifications if group is not None else None,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,17 +23,10 @@ import torch
 from flowprefill.contracts import NixlSettings
 from flowprefill.contracts.names import DType
 from flowprefill.contracts.nixl import SIDE_CHANNEL_HOST_ENV
-from flowprefill.kv.format import DTYPES
-from flowprefill.kv.nixl.layout import PageLayout, default_backend
-from flowprefill.kv.nixl.pool import BlockPool
-from flowprefill.kv.nixl.producer import NixlProducer, ServedModel
+from flowprefill.kv.nixl.producer import NixlProducer, PeerPublish, ServedModel
+from flowprefill.kv.nixl.settings import rank_layout, rank_pool
 
 log = logging.getLogger(__name__)
-
-CPU_BLOCK_SIZE = 128
-"""vLLM's CPU default block size."""
-GPU_BLOCK_SIZE = 16
-"""vLLM's default block size with GPU attention backends."""
 
 
 class NixlSink:
@@ -44,10 +37,13 @@ class NixlSink:
 
     def __call__(self, request_id: str, token_ids: Sequence[int], output: Any) -> dict[str, Any]:
         """Our gateway's hand-off: decode is sent the prompt and our first token."""
-        return self.publish(request_id, output.kv_cache, len(token_ids) + 1)
+        return self.publish(request_id, output.kv_cache, token_ids, len(token_ids) + 1)
 
-    def publish(self, request_id: str, layers: Any, decode_prompt_tokens: int) -> dict[str, Any]:
-        return self.producer.publish(request_id, layers, decode_prompt_tokens).to_params()
+    def publish(
+        self, request_id: str, layers: Any, token_ids: Sequence[int], decode_prompt_tokens: int
+    ) -> dict[str, Any]:
+        producer = self.producer
+        return producer.publish(request_id, layers, decode_prompt_tokens, token_ids).to_params()
 
     def discard(self, request_id: str) -> bool:
         return self.producer.discard(request_id)
@@ -64,27 +60,20 @@ def nixl_sink(
     dtype: DType,
     device: str,
     host: str,
+    peers: dict[int, dict[str, Any]] | None = None,
+    publish_peers: PeerPublish | None = None,
+    peer_notifications: Callable[[], list[tuple[int, str]]] | None = None,
 ) -> NixlSink:
-    """The producer ``settings`` describe, for a model of ``model_config`` on ``device``
-    (rank 0's: under tensor parallelism rank 0 holds every head's KV)."""
+    """The producer ``settings`` describe, for a model of ``model_config`` on rank 0's
+    ``device``; under tensor parallelism (``peers``: the other ranks' agent metadata)
+    rank 0 serves its own heads and the side channel of all ranks."""
     settings = settings or NixlSettings()
     torch_device = torch.device(device)
-    heads = int(model_config.num_attention_heads)
-    layout = PageLayout(
-        backend=settings.attention_backend or default_backend(torch_device),
-        num_kv_heads=int(getattr(model_config, "num_key_value_heads", None) or heads),
-        head_dim=int(
-            getattr(model_config, "head_dim", None) or int(model_config.hidden_size) // heads
-        ),
-        block_size=settings.block_size
-        or (CPU_BLOCK_SIZE if torch_device.type == "cpu" else GPU_BLOCK_SIZE),
-        dtype=DTYPES[dtype],
-    )
-    num_layers = int(model_config.num_hidden_layers)
-    pool = BlockPool.sized(layout, num_layers, int(settings.buffer_mb * 2**20), torch_device)
-    served = ServedModel.from_config(
-        settings.served_model or model_path, model_config, layout.dtype
-    )
+    tp_size = 1 + len(peers or {})
+    layout = rank_layout(settings, model_config, dtype, torch_device, tp_size)
+    pool = rank_pool(settings, layout, model_config, torch_device, tp_size)
+    name = settings.served_model or model_path
+    served = ServedModel.from_config(name, model_config, layout.dtype)
     advertise = settings.advertise_host or os.environ.get(SIDE_CHANNEL_HOST_ENV)
     if advertise is None and host in ("", "0.0.0.0", "::"):
         import socket
@@ -98,12 +87,16 @@ def nixl_sink(
         port=settings.side_channel_port,
         advertise_host=advertise,
         lease_s=settings.lease_s,
+        peers=peers,
+        publish_peers=publish_peers,
+        peer_notifications=peer_notifications,
     )
     log.info(
-        "KV over NIXL: %s pages of %d tokens for decode --model %s (hash %s…)",
+        "KV over NIXL: %s pages of %d tokens for decode --model %s (hash %s…), %d rank(s)",
         layout.backend,
         layout.block_size,
         served.name,
         producer.compatibility_hash()[:12],
+        tp_size,
     )
     return NixlSink(producer)

@@ -111,7 +111,7 @@ def add_pd_route(
         error: str | None = None
         try:
             params = await asyncio.to_thread(
-                sink.publish, request_id, res.output.kv_cache, len(token_ids)
+                sink.publish, request_id, res.output.kv_cache, token_ids, len(token_ids)
             )
         except Exception as e:  # no blocks free, a layout mismatch: decode recomputes
             params = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import sys
 import threading
@@ -52,12 +53,13 @@ import torch.distributed as dist
 
 from flowprefill.contracts import EngineConfig
 from flowprefill.contracts.names import RankCommand
-from flowprefill.errors import RankFailedError, TaskCancelledError
+from flowprefill.errors import KVHandoffError, RankFailedError, TaskCancelledError
 from flowprefill.kv.format import DTYPES
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from flowprefill.prefill.executor.splitting import SplitRates
 from flowprefill.prefill.tp.agreement import FollowerGate, SharedTable
+from flowprefill.prefill.tp.kv_ranks import FollowerKV, gather_kv_heads, nixl_enabled
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class RankSpec:
     master_port: int
     table: SharedTable
     conn: Connection
+    kv_notifications: Any = None
+    """NIXL transport: where this rank forwards consumers' notifications to rank 0."""
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -125,7 +129,8 @@ def init_rank(config: EngineConfig, rank: int, master_port: int) -> PreemptibleE
         chunk_size=config.chunk_size,
         device=device,
         kernels=config.resolved_kernels(),
-        kv_gather=gather_kv_heads,
+        # NIXL: every rank serves its own heads (kv_ranks.py); nothing gathered.
+        kv_gather=None if nixl_enabled(config) else gather_kv_heads,
         max_blocking_ms=config.resolved_max_blocking_ms(),
     )
     policy = executor.split_policy
@@ -144,33 +149,16 @@ def init_rank(config: EngineConfig, rank: int, master_port: int) -> PreemptibleE
     return executor
 
 
-def gather_kv_heads(
-    layers: list[tuple[torch.Tensor, torch.Tensor]],
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank 0 gets every rank's KV heads, concatenated in rank order (rank r holds heads
-    ``r*H/N .. (r+1)*H/N - 1``), so its hand-off file holds all heads; others get their
-    own back. One gather of all layers' keys and values per task."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world == 1:
-        return layers
-    flat = torch.stack([torch.stack([k, v]) for k, v in layers])  # [L, 2, B, h, T, d]
-    if rank != 0:
-        dist.gather(flat, None, dst=0)
-        return layers
-    parts = [torch.empty_like(flat) for _ in range(world)]
-    dist.gather(flat, parts, dst=0)
-    full = torch.cat(parts, dim=3)
-    return [(full[i, 0], full[i, 1]) for i in range(full.shape[0])]
-
-
 # --------------------------------------------------------------------- followers
 
 
 class _Follower:
     """A follower's command loop and its task threads."""
 
-    def __init__(self, spec: RankSpec, executor: PreemptibleExecutor) -> None:
-        self.spec, self.executor = spec, executor
+    def __init__(
+        self, spec: RankSpec, executor: PreemptibleExecutor, kv: FollowerKV | None = None
+    ) -> None:
+        self.spec, self.executor, self.kv = spec, executor, kv
         self.controls: dict[int, TaskControl] = {}
         self.gates: dict[int, FollowerGate] = {}
 
@@ -186,6 +174,9 @@ class _Follower:
             if command == RankCommand.REPORT:
                 conn.send({key: list(g.parked_at) for key, g in self.gates.items()})
                 continue
+            if command == RankCommand.PUBLISH_KV:  # touches no task: no need to settle
+                conn.send(self._publish_kv(*args))
+                continue
             self._settle()
             if command == RankCommand.SUBMIT:
                 self._submit(*args)
@@ -195,6 +186,15 @@ class _Follower:
                 self.controls[args[0]].cancel()
             else:
                 _die(f"rank {self.spec.rank}: unknown command {command!r}")
+
+    def _publish_kv(self, digest: str, block_ids: list[int]) -> tuple[str, str]:
+        if self.kv is None:
+            return ("error", f"rank {self.spec.rank} has no NIXL buffer")
+        try:
+            self.kv.publish(digest, block_ids)
+        except Exception as e:
+            return ("error", f"rank {self.spec.rank}: {type(e).__name__}: {e}")
+        return ("ok", "")
 
     def _settle(self) -> None:
         """Wait until no task of this rank is running (all parked or done)."""
@@ -215,7 +215,9 @@ class _Follower:
 
         def main() -> None:
             try:
-                self.executor.run(prompts, control)
+                outputs = self.executor.run(prompts, control)
+                if self.kv is not None:
+                    self.kv.keep(prompts, outputs)
             except TaskCancelledError:
                 pass
             except BaseException:
@@ -238,13 +240,19 @@ def follower_main(spec: RankSpec) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s"
     )
+    kv: FollowerKV | None = None
     try:
         executor = init_rank(spec.config, spec.rank, spec.master_port)
+        if nixl_enabled(spec.config):
+            kv = FollowerKV(
+                spec.config, spec.rank, executor.model.config, executor.device,
+                spec.kv_notifications,
+            )  # fmt: skip
     except BaseException as e:  # reported to the leader, which fails the start with it
         spec.conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
-    spec.conn.send(("ready", spec.rank))
-    _Follower(spec, executor).serve()
+    spec.conn.send(("ready", kv.metadata() if kv is not None else None))
+    _Follower(spec, executor, kv).serve()
     dist.destroy_process_group()
 
 
@@ -287,9 +295,14 @@ class RankGroup:
         port = free_port()
         self._conns: list[Connection] = []
         self.processes = []
+        self.kv_notifications = ctx.Queue() if nixl_enabled(config) else None
+        self.kv_peers: dict[int, dict[str, Any]] = {}
+        """NIXL transport: each follower's agent metadata, by rank."""
         for rank in range(1, self.world):
             ours, theirs = ctx.Pipe()
-            spec = RankSpec(config, rank, self.world, port, self.table, theirs)
+            spec = RankSpec(
+                config, rank, self.world, port, self.table, theirs, self.kv_notifications
+            )
             proc = ctx.Process(
                 target=follower_main, args=(spec,), name=f"flowprefill-rank{rank}", daemon=True
             )
@@ -333,6 +346,8 @@ class RankGroup:
                     status, detail = conn.recv()
                     if status != "ready":
                         raise RankFailedError(f"tensor-parallel rank {pending[conn]}: {detail}")
+                    if detail is not None:
+                        self.kv_peers[pending[conn]] = detail
                     del pending[conn]
                 elif item in sentinels and any(c for c in pending if pending[c] == sentinels[item]):
                     proc = self.processes[sentinels[item] - 1]
@@ -359,6 +374,29 @@ class RankGroup:
                     # Name the rank: a send can notice a dead rank before the watcher does,
                     # and the first failure is the one every later caller sees.
                     raise self._fail(self._unreachable(rank, e)) from e
+
+    def publish_kv(self, digest: str, block_ids: list[int]) -> None:
+        """Every follower lays out its heads of the prompt ``digest`` in ``block_ids``;
+        returns once all have (the consumer may read as soon as it has the answer)."""
+        self.check_alive()
+        with self._send_lock:
+            for conn in self._conns:
+                conn.send((RankCommand.PUBLISH_KV, digest, block_ids))
+            replies = [conn.recv() for conn in self._conns]
+        errors = [detail for status, detail in replies if status != "ok"]
+        if errors:
+            raise KVHandoffError("; ".join(errors))
+
+    def drain_kv_notifications(self) -> list[tuple[int, str]]:
+        """(rank, message) of the NIXL notifications followers received since last call."""
+        out: list[tuple[int, str]] = []
+        if self.kv_notifications is None:
+            return out
+        while True:
+            try:
+                out.append(self.kv_notifications.get_nowait())
+            except queue.Empty:
+                return out
 
     def reports(self) -> list[dict[int, list[int]]]:
         """Per follower: checkpoint numbers at which each task parked."""

@@ -99,13 +99,6 @@ def test_bad_requests_get_no_answer_and_the_channel_lives_on(
     assert reply is not None and reply[0] == PAYLOAD
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-@pytest.mark.xfail(
-    strict=True,
-    reason="side_channel.py _answer: payloads.get((pp_rank, tp_rank)) raises TypeError "
-    "(unhashable list) outside the try, which kills the serving thread; every later "
-    "handshake times out",
-)
 def test_unhashable_rank_does_not_kill_the_channel(channel: SideChannel) -> None:
     assert ask(channel.port, get_meta([0], 0)) is None
     reply = ask(channel.port, get_meta(0, 0), timeout_ms=1000)

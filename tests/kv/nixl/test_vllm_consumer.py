@@ -269,7 +269,7 @@ def test_zeroed_pages_change_the_output(stack: dict[str, Any]) -> None:
         (torch.zeros(heads, len(ids), dim), torch.zeros(heads, len(ids), dim))
         for _ in range(stack["sink"].producer.pool.num_layers)
     ]
-    params = stack["sink"].publish("zeros", zeros, len(ids) + 1)
+    params = stack["sink"].publish("zeros", zeros, ids, len(ids) + 1)
     zeroed = complete(stack["decode"], stack["model"], [*ids, first], MAX_TOKENS - 1, params)
     alone = complete(stack["decode"], stack["model"], ids, MAX_TOKENS)
     assert [first, *tokens(zeroed)] != tokens(alone)
@@ -298,7 +298,7 @@ def test_a_producer_gone_before_the_pull_means_recompute(stack: dict[str, Any]) 
         device="cpu", host="127.0.0.1",
     )  # fmt: skip
     kv = [(torch.randn(2, len(ids), 32), torch.randn(2, len(ids), 32)) for _ in range(2)]
-    params = gone.publish("restart", kv, len(ids) + 1)
+    params = gone.publish("restart", kv, ids, len(ids) + 1)
     gone.close()
     answer = complete(stack["decode"], stack["model"], [*ids, first], MAX_TOKENS - 1, params)
     alone = complete(stack["decode"], stack["model"], ids, MAX_TOKENS)
@@ -315,7 +315,7 @@ def test_a_producer_gone_before_the_pull_means_recompute(stack: dict[str, Any]) 
         from flowprefill.kv.capture import layers_from_cache
 
         params = again.publish(
-            "after-restart", layers_from_cache(out.past_key_values), len(ids) + 1
+            "after-restart", layers_from_cache(out.past_key_values), ids, len(ids) + 1
         )
         answer = complete(stack["decode"], stack["model"], [*ids, first], MAX_TOKENS - 1, params)
         assert [first, *tokens(answer)] == tokens(alone)
@@ -340,7 +340,7 @@ def test_an_expired_lease_frees_the_blocks_and_decode_still_answers(
     try:
         kv = [(torch.randn(2, len(ids), 32), torch.randn(2, len(ids), 32)) for _ in range(2)]
         free = short.producer.pool.free_blocks
-        params = short.publish("expiring", kv, len(ids) + 1)
+        params = short.publish("expiring", kv, ids, len(ids) + 1)
         assert short.producer.pool.free_blocks < free
         deadline = time.monotonic() + 5
         while "expiring" in short.producer.leases:  # the producer's own thread expires it
