@@ -41,7 +41,7 @@ def stream_gap(client: httpx.Client, url: str, ids: list[int]) -> tuple[float, f
     """Seconds to the first token, from the first to the second (hand-off + a decode
     step), from the second to the third (a decode step alone)."""
     model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
-    body = {"model": model, "prompt": ids, "max_tokens": 4, "temperature": 0,
+    body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0,
             "stream": True, "ignore_eos": True}  # fmt: skip
     stamps: list[float] = []
     t0 = time.perf_counter()
@@ -58,8 +58,12 @@ def stream_gap(client: httpx.Client, url: str, ids: list[int]) -> tuple[float, f
                 if len(stamps) == 3:
                     break
     if len(stamps) < 3:
-        raise RuntimeError(f"{url}: fewer than three tokens streamed")
+        raise FewTokens(f"{url}: fewer than three tokens streamed (an early end of sequence)")
     return stamps[0] - t0, stamps[1] - stamps[0], stamps[2] - stamps[1]
+
+
+class FewTokens(RuntimeError):
+    """The random prompt's completion ended before its third token: draw another."""
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -101,8 +105,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for r in range(args.repeats + 1):  # the first round warms each stack up
                     order = transports[r % len(transports) :] + transports[: r % len(transports)]
                     for t in order:
-                        ids = [rng.randrange(5, 30000) for _ in range(n)]
-                        ttft, gap, step = stream_gap(client, servers[t].base_url, ids)
+                        for _ in range(5):
+                            ids = [rng.randrange(5, 30000) for _ in range(n)]
+                            try:
+                                ttft, gap, step = stream_gap(client, servers[t].base_url, ids)
+                                break
+                            except FewTokens:
+                                time.sleep(args.pause)
+                        else:
+                            raise RuntimeError(f"{t}: five prompts in a row ended early")
                         if r:
                             samples[t][n].append(gap)
                             steps[t][n].append(step)

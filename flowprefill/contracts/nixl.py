@@ -152,6 +152,13 @@ class RemotePrefill:
         """None unless ``params`` is a producer answer (``do_remote_prefill``)."""
         if not params or not params.get("do_remote_prefill"):
             return None
+        missing = [
+            key
+            for key in ("remote_request_id", "remote_engine_id", "remote_host", "remote_port")
+            if params.get(key) is None
+        ]
+        if missing:
+            raise KVHandoffError(f"kv_transfer_params lacks {', '.join(missing)}")
         try:
             groups = params["remote_block_ids"]
             return cls(

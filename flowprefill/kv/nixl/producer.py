@@ -199,7 +199,11 @@ class NixlProducer:
         payloads = {(0, 0): self._handshake_payload(self.region.agent_metadata(self.engine_id))}
         for rank, metadata in peers.items():
             payloads[(0, rank)] = self._handshake_payload({**metadata, "engine_id": self.engine_id})
-        self.side_channel = SideChannel(host, port, payloads)
+        try:
+            self.side_channel = SideChannel(host, port, payloads)
+        except BaseException:
+            self.region.close()  # the port is taken: leave nothing registered behind
+            raise
         self.host = advertise_host or (host if host not in ("", "0.0.0.0", "::") else "127.0.0.1")
         self.port = self.side_channel.port
         self._stop = threading.Event()
