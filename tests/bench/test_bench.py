@@ -302,3 +302,17 @@ def test_report_writes_the_plot_only_where_matplotlib_is_installed(
     assert json.loads(json_path.read_text())["rates"]["1.0"]["all"]["requests"] == 1
     assert (png_path is not None) == with_matplotlib
     assert (tmp_path / "attainment.png").exists() == with_matplotlib
+
+
+def test_summary_reports_the_first_gap_apart() -> None:
+    """The first gap (prefill's token → decode's: the KV hand-off) beside the pooled ones."""
+    outcomes = [
+        _outcome([0.1, 0.4, 0.42, 0.44]),  # hand-off 300 ms, then 20 ms steps
+        _outcome([0.1, 0.2, 0.22]),  # 100 ms
+        _outcome([0.1, 0.9], error="decode failed"),  # failed: not counted
+        _outcome([0.1]),  # one token: no gap
+    ]
+    s = summarize(outcomes)["text"]
+    assert s["first_gap_p50_s"] == pytest.approx(0.1)
+    assert s["first_gap_p99_s"] == pytest.approx(0.3)
+    assert s["tbt_p50_s"] == pytest.approx(0.02)  # the decode steps dominate the pool
