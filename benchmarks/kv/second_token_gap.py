@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 break
                             except FewTokens:
                                 time.sleep(args.pause)
+                            except httpx.HTTPStatusError as e:
+                                # On 2 shared cores a long prefill can miss two health
+                                # probes and the gateway gives up its request (503): say
+                                # so and draw again rather than lose the run.
+                                console.print(f"{t} {n} tokens: {e.response.status_code}, again")
+                                time.sleep(args.pause)
                         else:
                             raise RuntimeError(f"{t}: five prompts in a row ended early")
                         if r:

@@ -173,3 +173,39 @@ def test_openai_client_gets_vllms_tokens_over_nixl(
         time.sleep(0.05)
     assert len(sink.producer.leases) == 0
     assert "must not import flowprefill" not in decode["log"].read_text()
+
+
+class _DiesAfterAnswering(NixlSink):
+    """A prefill instance that goes away right after it answered with its KV reference,
+    before decode could pull (a crash or restart between the two): its producer closes."""
+
+    def publish(
+        self, request_id: str, layers: Any, token_ids: Any, decode_prompt_tokens: int
+    ) -> Any:
+        params = super().publish(request_id, layers, token_ids, decode_prompt_tokens)
+        self.producer.close()
+        return params
+
+
+def test_prefill_gone_before_the_pull_still_answers_with_vllms_tokens(
+    decode: dict[str, Any],
+) -> None:
+    """openai client → gateway → a prefill instance whose producer is gone before decode
+    pulls: decode's handshake fails, vLLM recomputes the prompt, the client gets vLLM's own
+    tokens (no error), and decode keeps serving."""
+    with ExitStack() as es:
+        model = load_model(decode["model_dir"])
+        backend = es.enter_context(PreemptibleExecutor(model, granularity="operator"))
+        engine = PrefillEngine(backend, TTFTPredictor.linear(1e-4), batching="none")
+        live = sink_for(decode["model_dir"], model.config)
+        dying = _DiesAfterAnswering(live.producer)
+        app = create_app(engine, kv_sink=dying)
+        prefill_url = es.enter_context(serve_in_thread(app))
+        tmp = decode["tmp"] / "gw-dying"
+        tmp.mkdir()
+        url = gateway(es, tmp, decode["model_dir"], prefill_url, decode["url"])
+        ids = [(41 * i) % 30000 + 9 for i in range(200)]
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        resp = c.completions.create(model="demo", prompt=ids, max_tokens=10, temperature=0)
+        assert resp.choices[0].text == vllm_alone(decode, ids, 10)
+    assert httpx.get(f"{decode['url']}/health", timeout=10).status_code == 200
