@@ -158,7 +158,9 @@ class RemotePrefill:
             if params.get(key) is None
         ]
         if missing:
-            raise KVHandoffError(f"kv_transfer_params lacks {', '.join(missing)}")
+            raise KVHandoffError(
+                f"kv_transfer_params is not a NIXL producer answer: no {', '.join(missing)}"
+            )
         try:
             groups = params["remote_block_ids"]
             return cls(

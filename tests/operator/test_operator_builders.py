@@ -176,6 +176,9 @@ def test_decode_command_and_model_image_volume() -> None:
         "--kv-transfer-config",
         '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cuda",'
         '"kv_load_failure_policy":"recompute"}',
+        # The layout prefill writes its pages in (contracts.processes.decode_process).
+        "--attention-backend",
+        "FLASH_ATTN",
         "--block-size",
         "16",
         "--max-model-len=8192",
