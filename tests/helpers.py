@@ -177,3 +177,18 @@ def local_stack(
             serve_in_thread(BodySizeLimit(create_gateway_app(state), 256 * 1024))
         )
         yield {"url": gw, "state": state, "engines": engines, "prefill_urls": urls}
+
+
+def wait_vllm(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
+    """Until the vLLM server ``proc`` (logging to ``log``) answers ``/health``; fails with
+    the log's tail if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "vLLM did not start"
+        time.sleep(1)

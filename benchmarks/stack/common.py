@@ -166,10 +166,12 @@ def up_server(
 
     args = [a for a in extra if "=" not in a or a.startswith("--")]
     env = dict(a.split("=", 1) for a in extra if "=" in a and not a.startswith("--"))
+    # The file path (shared_dir), which the stack figures in README and docs/stack.md were
+    # measured with; `extra` may name another (`--kv-transport nixl`: the last one wins).
     cmd = [
         sys.executable, "-m", "flowprefill.cli", "up", "--model", str(model_dir),
         "--profile", str(profile), "--port", str(port), "--run-dir", str(out / f"{name}-run"),
-        *args,
+        "--kv-transport", "shared_dir", *args,
     ]  # fmt: skip
     return Server(
         name,

@@ -1,6 +1,7 @@
 """What sharing a small CPU host with vLLM decode does to a prefill instance.
 
-Start a stack first (``flowprefill up --port 8000``: prefill on 8100, vLLM decode on
+Start a stack first (``flowprefill up --port 8000 --kv-transport shared_dir``: the file
+path, whose connector caps vLLM's busy-wait; prefill on 8100, vLLM decode on
 8200), then::
 
     python benchmarks/stack/prefill_beside_decode.py [--prefill-url http://127.0.0.1:8100]
@@ -18,8 +19,9 @@ Three measurements, the first two straight against the prefill instance's ``/v1/
 3. vLLM's own decode speed (ms per output token of a 32-token completion), so that a cap
    on vLLM's busy-wait is seen to cost decode nothing.
 
-Run it once with ``flowprefill up`` as is (vLLM's idle busy-wait capped) and once with
-``FLOWPREFILL_VLLM_IDLE_SPIN_S= flowprefill up`` (empty: vLLM's default 1 s busy-wait).
+Run it once with ``flowprefill up --kv-transport shared_dir`` as is (vLLM's idle busy-wait
+capped) and once with ``FLOWPREFILL_VLLM_IDLE_SPIN_S= flowprefill up --kv-transport
+shared_dir`` (empty: vLLM's default 1 s busy-wait).
 """
 
 from __future__ import annotations

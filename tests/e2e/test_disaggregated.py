@@ -36,7 +36,7 @@ from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.server.kv_sink import directory_sink
 from flowprefill.prefill.server.prefill import create_app
 from flowprefill.stack.decode import decode_env, decode_spec
-from tests.helpers import free_port, serve_in_thread
+from tests.helpers import free_port, serve_in_thread, wait_vllm
 
 pytestmark = [
     pytest.mark.slow,
@@ -121,19 +121,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def wait_vllm(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "vLLM did not start"
-        time.sleep(1)
 
 
 def vllm_alone(stack: dict[str, Any], prompt_ids: list[int], max_tokens: int) -> str:

@@ -40,8 +40,8 @@ from flowprefill.prefill.server.kv_http import add_discard_route
 from flowprefill.prefill.server.nixl_sink import NixlSink, nixl_sink
 from flowprefill.prefill.server.prefill import create_app
 from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
-from tests.helpers import serve_in_thread
-from tests.kv.nixl.test_vllm_consumer import nixl_bytes, start_vllm, wait_vllm
+from tests.helpers import serve_in_thread, wait_vllm
+from tests.kv.nixl.test_vllm_consumer import nixl_bytes, start_vllm
 
 pytestmark = [
     pytest.mark.slow,

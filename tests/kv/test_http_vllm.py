@@ -30,7 +30,7 @@ from flowprefill.prefill.server.kv_http import create_kv_app
 from flowprefill.prefill.server.kv_sink import directory_sink
 from flowprefill.prefill.server.prefill import create_app
 from flowprefill.stack.decode import decode_env, decode_spec
-from tests.helpers import free_port, serve_in_thread, silent_server
+from tests.helpers import free_port, serve_in_thread, silent_server, wait_vllm
 
 pytestmark = [
     pytest.mark.slow,
@@ -91,19 +91,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def wait_vllm(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "vLLM did not start"
-        time.sleep(1)
 
 
 def prompt(n: int, k: int) -> list[int]:

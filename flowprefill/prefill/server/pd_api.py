@@ -9,8 +9,9 @@ pool as its prefill pool and gain preemption unchanged:
 
 * the prompt is a string (tokenized with the model directory's tokenizer, special tokens
   added as vLLM does) or a list of token ids;
-* the deadline: ``ttft_slo_s`` in the body, else the ``x-flowprefill-ttft-slo-s`` header,
-  else the instance's default; ``x-slo-class`` names the class in metrics;
+* the deadline: ``ttft_slo_s`` in the body, else the ``x-slo-ttft-ms`` header (llm-d's
+  convention, :data:`~flowprefill.contracts.deployment.SLO_TTFT_HEADER`), else the
+  instance's default; ``x-slo-class`` names the class in metrics;
 * the answer is a non-streamed ``text_completion`` with one choice, the first token (as
   text and in ``usage``), and vLLM's producer ``kv_transfer_params`` — the blocks for the
   prompt alone, since decode is sent the prompt alone and samples the first token itself.
@@ -28,18 +29,17 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from flowprefill.contracts.deployment import SLO_CLASS_HEADER, SLO_TTFT_HEADER
 from flowprefill.contracts.nixl import wants_remote_decode
-from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.server.nixl_sink import NixlSink
-from flowprefill.web.disconnect import ClientDisconnected, unless_disconnected
+from flowprefill.prefill.server.submit import run_prefill
 from flowprefill.web.errors import error_response
 
 PD_PATH = "/v1/completions"
-SLO_HEADER = "x-flowprefill-ttft-slo-s"
-CLASS_HEADER = "x-slo-class"
 
 
 class PDPrefillRequest(BaseModel):
@@ -88,26 +88,20 @@ def add_pd_route(
             token_ids = list(body.prompt)
         if not token_ids:
             return error_response(400, "the prompt is empty", "invalid_request_error")
-        slo = body.ttft_slo_s or _header_float(request, SLO_HEADER) or default_ttft_slo_s
+        header_ms = _header_float(request, SLO_TTFT_HEADER)
+        slo = body.ttft_slo_s or (header_ms / 1e3 if header_ms else None) or default_ttft_slo_s
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        try:
-            fut = engine.submit(
-                token_ids,
-                ttft_slo_s=slo,
-                elapsed_s=0.0,
-                slo_class=request.headers.get(CLASS_HEADER, "default")[:128],
-                request_id=request_id,
-            )
-            res = await unless_disconnected(request, asyncio.shield(asyncio.wrap_future(fut)))
-        except ClientDisconnected:
-            engine.cancel(request_id)
-            return error_response(499, "client closed the request", "cancelled")
-        except TaskCancelledError as e:
-            return error_response(499, str(e), "cancelled")
-        except EngineClosedError as e:
-            return error_response(503, str(e), "service_unavailable")
-        except InvalidRequestError as e:
-            return error_response(400, str(e), "invalid_request_error")
+        res = await run_prefill(
+            engine,
+            request,
+            token_ids,
+            request_id=request_id,
+            ttft_slo_s=slo,
+            elapsed_s=0.0,
+            slo_class=request.headers.get(SLO_CLASS_HEADER, "default")[:128],
+        )
+        if isinstance(res, JSONResponse):
+            return res
         error: str | None = None
         try:
             params = await asyncio.to_thread(

@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from flowprefill.contracts.deployment import PREFILL_API_PATH
 from flowprefill.contracts.prefill_api import (
@@ -49,17 +49,12 @@ from flowprefill.contracts.prefill_api import (
     PrefillRequest,
     PrefillResponse,
 )
-from flowprefill.errors import (
-    EngineClosedError,
-    InvalidRequestError,
-    TaskCancelledError,
-)
 from flowprefill.kv import SharedDirTransport
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.server.kv_http import add_delete_route, add_read_refusal
 from flowprefill.prefill.server.kv_sink import KVSink
-from flowprefill.web.disconnect import ClientDisconnected, unless_disconnected
-from flowprefill.web.errors import error_response, install_error_handlers
+from flowprefill.prefill.server.submit import run_prefill
+from flowprefill.web.errors import install_error_handlers
 from flowprefill.web.probes import add_probe_routes
 from flowprefill.web.sse import DONE, MEDIA_TYPE, sse_event
 
@@ -91,33 +86,17 @@ def create_app(
 
     @app.post(PREFILL_API_PATH, response_model=PrefillResponse)
     async def prefill(body: PrefillRequest, request: Request) -> Any:
-        try:
-            fut = engine.submit(
-                body.prompt_token_ids,
-                ttft_slo_s=body.ttft_slo_s,
-                elapsed_s=body.elapsed_s,
-                slo_class=body.slo_class,
-                request_id=body.request_id,
-            )
-        except EngineClosedError as e:
-            return error_response(503, str(e), "service_unavailable")
-        try:
-            # Shielded: the engine owns its future (it must stay settable); a client gone
-            # cancels the request in the engine instead, which then fails the future.
-            res = await unless_disconnected(request, asyncio.shield(asyncio.wrap_future(fut)))
-        except ClientDisconnected:
-            engine.cancel(body.request_id)
-            log.info("client gone: cancelled %s", body.request_id)
-            return error_response(499, "client closed the request", "cancelled")
-        except TaskCancelledError as e:
-            return error_response(499, str(e), "cancelled")
-        except EngineClosedError as e:
-            return error_response(503, str(e), "service_unavailable")
-        except InvalidRequestError as e:
-            return error_response(400, str(e), "invalid_request_error")
-        except Exception as e:
-            log.exception("prefill of %s failed", body.request_id)
-            return error_response(500, f"prefill failed: {type(e).__name__}: {e}", "server_error")
+        res = await run_prefill(
+            engine,
+            request,
+            body.prompt_token_ids,
+            request_id=body.request_id,
+            ttft_slo_s=body.ttft_slo_s,
+            elapsed_s=body.elapsed_s,
+            slo_class=body.slo_class,
+        )
+        if isinstance(res, JSONResponse):
+            return res
         answer = PrefillResponse(
             request_id=res.request_id,
             first_token_id=int(res.output.first_token_id),

@@ -36,7 +36,7 @@ from flowprefill.prefill.server.nixl_sink import NixlSink, nixl_sink
 from flowprefill.prefill.server.pd_api import add_pd_route
 from flowprefill.prefill.server.prefill import create_app
 from flowprefill.stack.decode import decode_spec, shared_cores_env
-from tests.helpers import free_port, serve_in_thread
+from tests.helpers import free_port, serve_in_thread, wait_vllm
 
 pytestmark = [
     pytest.mark.slow,
@@ -83,19 +83,6 @@ def start_vllm(
     log = tmp / f"{name}.log"
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}", log
-
-
-def wait_vllm(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "vLLM did not start"
-        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
