@@ -15,7 +15,9 @@ from .crd import stale_files, write_crds
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flowprefill_operator")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("crdgen", help="write crds/ and charts/flowprefill/crds/ from the models")
+    gen = sub.add_parser(
+        "crdgen", help="write crds/ and charts/flowprefill/files/crds/ from the models"
+    )
     gen.add_argument("--root", type=Path, default=Path.cwd(), help="repository root")
     gen.add_argument("--check", action="store_true", help="only report stale files (exit 1)")
     args = parser.parse_args(argv)

@@ -12,8 +12,9 @@ from tests.operator.harness import OperatorProcess, kube_for, wait_for
 
 
 def test_two_replicas_elect_one_active(tmp_path: Path, repo_root: Path) -> None:
-    # The chart's crds/: ours plus kopf's peering resources.
-    chart_crds = sorted((repo_root / "charts/flowprefill/crds").glob("*.yaml"))
+    # The chart's CRDs: ours (files/crds/) plus kopf's peering resources (crds/).
+    chart = repo_root / "charts/flowprefill"
+    chart_crds = sorted([*chart.glob("crds/*.yaml"), *chart.glob("files/crds/*.yaml")])
     emulator = EmulatorThread(chart_crds).start()
     kubeconfig = emulator.write_kubeconfig(tmp_path / "kubeconfig")
     kube = kube_for(kubeconfig)
