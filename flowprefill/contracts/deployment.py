@@ -7,6 +7,7 @@ the code that reads one imports its name from here and nowhere spells it again.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 # ------------------------------------------------------------------ ports and paths
@@ -42,14 +43,34 @@ its KV port (``source`` names it); ``DELETE`` also on its main port, for the gat
 SLO_CLASS_HEADER: Final = "x-slo-class"
 """Client -> gateway: the SLO class a request claims (honoured where the class's claim
 rule admits the client: docs/gateway.md)."""
-SLO_OBJECTIVE_HEADER: Final = "x-gateway-inference-objective"
-"""Client -> gateway: the Gateway API Inference Extension's name of the objective (our SLO
-class), claimed as ``x-slo-class`` is; gateway -> upstreams: the class used."""
-SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
+SLO_OBJECTIVE_HEADERS: Final = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+"""Client -> gateway: the name of the objective (our SLO class), claimed as ``x-slo-class``
+is: llm-d's current name first, then the Gateway API Inference Extension's older one (llm-d
+keeps it as a deprecated alias). A request sending both is read by the first (the current
+name wins). Gateway -> upstreams: the class used, under every name."""
+SLO_OBJECTIVE_HEADER: Final = SLO_OBJECTIVE_HEADERS[0]
+"""The preferred (current llm-d) name of :data:`SLO_OBJECTIVE_HEADERS`."""
+SLO_TTFT_HEADERS: Final = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 """Client -> gateway: the request's own TTFT target in ms (llm-d / Inference Extension
-convention; looser than its class always honoured, tighter only where the class allows).
-Gateway -> prefill and decode: the TTFT budget left when the call is sent (a hint; the
-deadline itself travels in the prefill body)."""
+convention; looser than its class always honoured, tighter only where the class allows):
+llm-d's current name first, then the older one it keeps as a deprecated alias; the first
+sent wins. Gateway -> prefill and decode: the TTFT budget left when the call is sent (a
+hint; the deadline itself travels in the prefill body), under every name."""
+SLO_TTFT_HEADER: Final = SLO_TTFT_HEADERS[0]
+"""The preferred (current llm-d) name of :data:`SLO_TTFT_HEADERS`."""
+
+
+def first_header(headers: Mapping[str, str], names: Sequence[str]) -> tuple[str, str] | None:
+    """The first of ``names`` (preferred first: the current name wins over its deprecated
+    alias) that ``headers`` carries non-blank, as (name, value); None when none is sent.
+    ``headers`` must be case-insensitive (Starlette's, httpx's) or lower-cased."""
+    for name in names:
+        value = headers.get(name)
+        if value is not None and value.strip():
+            return name, value
+    return None
+
+
 SLO_TPOT_HEADER: Final = "x-slo-tpot-ms"
 """Gateway -> upstreams: the class's time-per-output-token target, when it has one."""
 SLO_PRIORITY_HEADER: Final = "x-dynamo-request-priority"

@@ -135,7 +135,7 @@ def decode_process(
 ) -> ProcessSpec:
     """vLLM's OpenAI server loading hand-offs through the FlowPrefill connector, or with
     the ``nixl`` transport stock vLLM pulling them with its ``NixlConnector`` (no
-    FlowPrefill code in the process; ``side_channel_port`` is its own NIXL handshake
+    FlowPrefill connector in the process; ``side_channel_port`` is its own NIXL handshake
     port, which must differ between decode instances on one host).
 
     ``kv_path``: the shared hand-off directory (``shared_dir``) or this instance's cache
@@ -148,7 +148,6 @@ def decode_process(
     config: dict[str, object]
     if kv_transport is KVTransport.NIXL:
         config = consumer_kv_transfer_config(device="cpu" if cpu else "cuda")
-        env = {}  # no FlowPrefill connector in the process: nothing of ours to configure
         if side_channel_port is not None:
             env[SIDE_CHANNEL_PORT_ENV] = str(side_channel_port)
         if host:
@@ -178,10 +177,21 @@ def decode_process(
     )
 
 
+USAGE_STATS_OFF_ENV: Mapping[str, str] = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+"""vLLM reports usage statistics to its maintainers unless told not to: its own switch, and
+the cross-tool ``DO_NOT_TRACK`` it also honours. Every image sets both (docs/images.md);
+decode processes get them here too, so a process started outside our images (``flowprefill
+up``, a user's own vLLM image under the operator) sends nothing either."""
+
+
 def decode_env(*, cpu: bool) -> dict[str, str]:
-    """What a decode process needs from its environment: on a CPU host shared with
-    prefill, the cap of vLLM's idle busy-wait that our connector applies."""
-    return {VLLM_IDLE_SPIN_ENV: CPU_VLLM_IDLE_SPIN_S} if cpu else {}
+    """What a decode process needs from its environment: usage statistics off
+    (:data:`USAGE_STATS_OFF_ENV`) and, on a CPU host shared with prefill, the cap of vLLM's
+    idle busy-wait and no NIXL progress thread (each would hold a core; applied by our
+    connector and our vLLM plugin, :mod:`flowprefill.kv.vllm_plugin`, wherever FlowPrefill
+    is installed beside vLLM; inert where it is not)."""
+    spin = {VLLM_IDLE_SPIN_ENV: CPU_VLLM_IDLE_SPIN_S, NIXL_PROGRESS_THREAD_ENV: "0"} if cpu else {}
+    return {**USAGE_STATS_OFF_ENV, **spin}
 
 
 def gateway_process(

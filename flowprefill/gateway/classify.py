@@ -10,13 +10,18 @@ naming ``max_tokens`` or ``prompt``). Pure but for the tokenizer: no HTTP, no up
 What a request asks of its SLO (:func:`slo_request`), read from the conventions its client
 may speak:
 
-- ``x-slo-class`` header (ours), ``x-gateway-inference-objective`` header (the Gateway
-  API Inference Extension's objective name), ``slo_class`` body field (ours): a class by
-  name, in this order;
+- ``x-slo-class`` header (ours), the objective header (llm-d's
+  ``x-llm-d-inference-objective``, else its deprecated alias, the Gateway API Inference
+  Extension's ``x-gateway-inference-objective``), ``slo_class`` body field (ours): a class
+  by name, in this order;
 - ``x-dynamo-request-priority`` header (NVIDIA Dynamo: higher = more urgent) and vLLM's
   ``priority`` body field (lower = handled earlier, so negated onto our scale): the class
   of nearest priority;
-- ``x-slo-ttft-ms`` header (llm-d / Inference Extension): the request's own TTFT target.
+- ``x-llm-d-slo-ttft-ms`` header (llm-d), else its deprecated alias ``x-slo-ttft-ms``:
+  the request's own TTFT target.
+
+Where a request sends an llm-d header under both names, the current name wins and the
+alias is ignored (not validated either).
 
 Both priority conventions default to 0, so 0 asks for nothing; a value that is not a
 number is refused (400 naming the header or field).
@@ -35,7 +40,8 @@ A client *may claim* a class when the class's claim rule admits it (``anyone``, 
 API key's hash is listed) or when the class is the one steps 3–4 give it anyway: claiming
 never escalates past what the operator's rules grant. By default no class admits anyone.
 
-The TTFT target: the class's, unless the request carries its own (``x-slo-ttft-ms``). A
+The TTFT target: the class's, unless the request carries its own (``x-llm-d-slo-ttft-ms``
+or ``x-slo-ttft-ms``). A
 looser one is always honoured (it can only make the request less urgent, so others gain),
 a tighter one only when the class's claim rule admits the client and sets a floor
 (``min_ttft_slo_ms``; a target below it gets the floor). Every refusal falls back without
@@ -48,8 +54,8 @@ The deadline has one name and one unit from here to the scheduler: the request's
 ``deadline_s = arrival_s + ttft_slo_s``. A prefill instance is sent ``ttft_slo_s`` and
 ``elapsed_s`` (:mod:`flowprefill.contracts.prefill_api`) and rebuilds the same deadline
 on its clock; every process judges ``met`` as ``ttft_s <= ttft_slo_s`` from that arrival.
-The one derived quantity, the ``x-slo-ttft-ms`` hint for upstreams (the budget left when a
-call is sent), is computed here (:meth:`Job.upstream_hints`) and nowhere else.
+The one derived quantity, the TTFT hint for upstreams (the budget left when a call is
+sent, under both llm-d names), is computed here (:meth:`Job.upstream_hints`) and nowhere else.
 """
 
 from __future__ import annotations
@@ -72,10 +78,11 @@ from flowprefill.contracts import SLOTable, SLOTableClass
 from flowprefill.contracts import slo as slo_contract
 from flowprefill.contracts.deployment import (
     SLO_CLASS_HEADER,
-    SLO_OBJECTIVE_HEADER,
+    SLO_OBJECTIVE_HEADERS,
     SLO_PRIORITY_HEADER,
     SLO_TPOT_HEADER,
-    SLO_TTFT_HEADER,
+    SLO_TTFT_HEADERS,
+    first_header,
 )
 from flowprefill.contracts.slo import Fallback
 from flowprefill.errors import InvalidRequestError
@@ -113,9 +120,10 @@ def _header_int(headers: Mapping[str, str], name: str) -> int | None:
 
 
 def _ttft_ms(headers: Mapping[str, str]) -> float | None:
-    raw = headers.get(SLO_TTFT_HEADER)
-    if raw is None or not raw.strip():
+    sent = first_header(headers, SLO_TTFT_HEADERS)
+    if sent is None:
         return None
+    name, raw = sent
     try:
         value = float(raw)
     except ValueError:
@@ -123,9 +131,9 @@ def _ttft_ms(headers: Mapping[str, str]) -> float | None:
     if not (0 < value <= MAX_TTFT_SLO_MS):
         raise ClientError(
             400,
-            f"header {SLO_TTFT_HEADER} must be a number of milliseconds in "
+            f"header {name} must be a number of milliseconds in "
             f"(0, {MAX_TTFT_SLO_MS}], got {raw[:40]!r}",
-            param=SLO_TTFT_HEADER,
+            param=name,
         )
     return value
 
@@ -135,9 +143,10 @@ def slo_request(
 ) -> SLORequest:
     """``headers`` must be case-insensitive (Starlette's are) or lower-cased."""
     names: list[tuple[NameSource, str]] = []
+    objective = first_header(headers, SLO_OBJECTIVE_HEADERS)
     for source, name in (
         ("header", headers.get(SLO_CLASS_HEADER)),
-        ("objective", headers.get(SLO_OBJECTIVE_HEADER)),
+        ("objective", objective[1] if objective else None),
         ("field", body_class),
     ):
         if name:
@@ -390,14 +399,15 @@ class Job:
         return slo_contract.met_slo(ttft_s, self.ttft_slo_s)
 
     def upstream_hints(self, now_s: float) -> dict[str, str]:
-        """llm-d / Dynamo-style headers for upstreams that understand them: the class, the
-        TTFT budget left at ``now_s`` (ms, at least 1), the priority, the TPOT target."""
+        """llm-d / Dynamo-style headers for upstreams that understand them: the class and
+        the TTFT budget left at ``now_s`` (ms, at least 1) under llm-d's current names and
+        their deprecated aliases (an upstream reads whichever it knows), the priority, the
+        TPOT target."""
         c = self.slo
-        headers = {
-            SLO_OBJECTIVE_HEADER: c.name,
-            SLO_TTFT_HEADER: str(max(1, round((self.deadline_s - now_s) * 1e3))),
-            SLO_PRIORITY_HEADER: str(c.priority),
-        }
+        budget_ms = str(max(1, round((self.deadline_s - now_s) * 1e3)))
+        headers = {name: c.name for name in SLO_OBJECTIVE_HEADERS}
+        headers |= {name: budget_ms for name in SLO_TTFT_HEADERS}
+        headers[SLO_PRIORITY_HEADER] = str(c.priority)
         if c.tpot_slo_ms is not None:
             headers[SLO_TPOT_HEADER] = str(c.tpot_slo_ms)
         return headers

@@ -96,6 +96,8 @@ async def test_prefill_gets_the_class_slo_and_elapsed_and_is_judged_from_arrival
     assert (sent.ttft_slo_s, sent.elapsed_s) == (1.0, pytest.approx(0.6))
     assert sent.hand_off_kv and sent.stream
     assert headers["x-slo-ttft-ms"] == "400"  # the budget left when sent
+    assert headers["x-llm-d-slo-ttft-ms"] == "400"  # and under llm-d's current name
+    assert headers["x-llm-d-inference-objective"] == headers["x-gateway-inference-objective"]
     assert answer.wait_s == pytest.approx(0.5)
     # 1.1 s from arrival > the class's 1 s: missed, though prefill took only 0.5 s.
     r = metrics.registry

@@ -138,3 +138,43 @@ def test_decode_image_and_connector() -> None:
         }
         assert config["kv_connector"] in classes
         assert config["kv_role"] == "kv_consumer"
+
+
+STAND_INS = sorted((ROOT / "images" / "stand-ins").glob("*/Containerfile"))
+USAGE_STATS_OFF = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def final_stage_env(path: Path) -> dict[str, str]:
+    """The ENV the final stage sets (``ENV K=V K2=V2`` form; later ones win)."""
+    stage = path.read_text().rsplit("\nFROM ", 1)[-1]
+    env: dict[str, str] = {}
+    text = re.sub(r"\\\n", " ", stage)
+    for line in text.splitlines():
+        line = line.strip()
+        if line.upper().startswith("ENV "):
+            for pair in line[4:].split():
+                key, _, value = pair.partition("=")
+                env[key] = value.strip('"')
+    return env
+
+
+@pytest.mark.parametrize(
+    "path", [*IMAGES, *STAND_INS], ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}"
+)
+def test_every_image_turns_usage_statistics_off(path: Path) -> None:
+    env = final_stage_env(path)
+    assert {k: env.get(k) for k in USAGE_STATS_OFF} == USAGE_STATS_OFF, path
+
+
+def test_stand_ins_are_found() -> None:
+    assert {p.parent.name for p in STAND_INS} >= {"vllm-cpu", "vllm-env-py312"}
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_decode_processes_turn_usage_statistics_off(cpu: bool) -> None:
+    from flowprefill.contracts.processes import decode_env
+
+    assert USAGE_STATS_OFF.items() <= decode_env(cpu=cpu).items()
+    decode = SPEC.model_copy(update={"role": "decode", "engine": None})
+    # The operator's decode container, whatever image the user runs it on.
+    assert USAGE_STATS_OFF.items() <= pool_process(decode).env.items()

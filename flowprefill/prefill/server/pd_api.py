@@ -9,9 +9,10 @@ pool as its prefill pool and gain preemption unchanged:
 
 * the prompt is a string (tokenized with the model directory's tokenizer, special tokens
   added as vLLM does) or a list of token ids;
-* the deadline: ``ttft_slo_s`` in the body, else the ``x-slo-ttft-ms`` header (llm-d's
-  convention, :data:`~flowprefill.contracts.deployment.SLO_TTFT_HEADER`), else the
-  instance's default; ``x-slo-class`` names the class in metrics;
+* the deadline: ``ttft_slo_s`` in the body, else llm-d's TTFT header (its current name
+  ``x-llm-d-slo-ttft-ms``, else the deprecated ``x-slo-ttft-ms``; the current name wins
+  when both are sent: :data:`~flowprefill.contracts.deployment.SLO_TTFT_HEADERS`), else
+  the instance's default; ``x-slo-class`` names the class in metrics;
 * the answer is a non-streamed ``text_completion`` with one choice, the first token (as
   text and in ``usage``), and vLLM's producer ``kv_transfer_params`` — the blocks for the
   prompt alone, since decode is sent the prompt alone and samples the first token itself.
@@ -32,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flowprefill.contracts.deployment import SLO_CLASS_HEADER, SLO_TTFT_HEADER
+from flowprefill.contracts.deployment import SLO_CLASS_HEADER, SLO_TTFT_HEADERS, first_header
 from flowprefill.contracts.nixl import wants_remote_decode
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.server.nixl_sink import NixlSink
@@ -88,7 +89,7 @@ def add_pd_route(
             token_ids = list(body.prompt)
         if not token_ids:
             return error_response(400, "the prompt is empty", "invalid_request_error")
-        header_ms = _header_float(request, SLO_TTFT_HEADER)
+        header_ms = _header_float(request, SLO_TTFT_HEADERS)
         slo = body.ttft_slo_s or (header_ms / 1e3 if header_ms else None) or default_ttft_slo_s
         request_id = f"cmpl-{uuid.uuid4().hex}"
         res = await run_prefill(
@@ -135,10 +136,13 @@ def add_pd_route(
         return answer
 
 
-def _header_float(request: Request, name: str) -> float | None:
-    raw = request.headers.get(name)
-    if raw is None:
+def _header_float(request: Request, names: tuple[str, ...]) -> float | None:
+    """The first of ``names`` sent, as a positive number; None when none is, or it is not
+    one (a router's hint: the instance's default deadline then applies)."""
+    sent = first_header(request.headers, names)
+    if sent is None:
         return None
+    raw = sent[1]
     try:
         value = float(raw)
     except ValueError:

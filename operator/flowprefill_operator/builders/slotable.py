@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from flowprefill.contracts.deployment import SLO_CLASS_HEADER, SLO_OBJECTIVE_HEADER
+from flowprefill.contracts.deployment import SLO_CLASS_HEADER, SLO_OBJECTIVE_HEADERS
 from flowprefill.contracts.slo import SLOTableClaim
 
 from ..models import LabelSelector, SLOClassSpec, SLOTable, SLOTableClass, SLOTableMatch
@@ -75,7 +75,7 @@ def judge_classes(
 def _acceptance_message(spec: SLOClassSpec) -> str:
     """ "in use", with a warning for a header rule on a claim header: a ``match`` rule on
     ``x-slo-class`` lets every client that sends the header in; ``claim`` is what admits."""
-    claim_headers = {SLO_CLASS_HEADER, SLO_OBJECTIVE_HEADER}
+    claim_headers = {SLO_CLASS_HEADER, *SLO_OBJECTIVE_HEADERS}
     ruled = sorted(h.name for h in spec.match.headers if h.name in claim_headers)
     if ruled:
         return (
