@@ -14,7 +14,7 @@ import urllib3
 from kubernetes import client, config
 
 from . import API_VERSION
-from .diff import last_applied, plan_patch, with_last_applied
+from .diff import MANAGED_BY_LABEL, last_applied, owned, plan_patch, with_last_applied
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,20 @@ class ApiError(Exception):
     @property
     def transient(self) -> bool:
         return self.status in TRANSIENT
+
+
+class NotOwned(Exception):
+    """A same-named object exists that the operator did not make: it is left alone."""
+
+    def __init__(self, kind: str, namespace: str, name: str) -> None:
+        super().__init__(
+            f"{kind} {namespace}/{name} exists and is not managed by the operator "
+            f"(no {MANAGED_BY_LABEL} label or ownerReference of ours): left as it is; "
+            "rename or delete it"
+        )
+        self.kind = kind
+        self.namespace = namespace
+        self.name = name
 
 
 def load_client() -> client.ApiClient:
@@ -160,11 +174,27 @@ class Kube:
             raise
         return True
 
+    def delete_managed(self, kind: str, namespace: str, name: str, managed_by: str) -> bool:
+        """Delete the object only if it carries our managed-by label (a same-named object
+        someone else made stays); False if it was gone or not ours."""
+        live = self.get(kind, namespace, name)
+        if live is None:
+            return False
+        if (live.get("metadata", {}).get("labels") or {}).get(MANAGED_BY_LABEL) != managed_by:
+            log.warning("not deleting %s %s/%s: not managed by the operator", kind, namespace, name)
+            return False
+        return self.delete(kind, namespace, name)
+
     def apply(self, manifest: dict[str, Any]) -> Outcome:
-        """Create the object, or merge-patch the fields that differ; no write when in sync."""
+        """Create the object, or merge-patch the fields that differ (compared semantically,
+        see :mod:`.diff`); no write when in sync. Raises :class:`NotOwned` (no write) when a
+        same-named object exists that the operator did not make, :class:`ApiError` when
+        the API server refuses."""
         desired = with_last_applied(manifest)
         meta = desired["metadata"]
         live = self.get(desired["kind"], meta["namespace"], meta["name"])
+        if live is not None and not owned(live, desired):
+            raise NotOwned(desired["kind"], meta["namespace"], meta["name"])
         if live is None:
             self.create(desired)
             log.info("created %s %s/%s", desired["kind"], meta["namespace"], meta["name"])

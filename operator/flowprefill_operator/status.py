@@ -1,5 +1,9 @@
 """Pure: observed children of a pool -> its status (conditions, replicas, phase).
 
+A child the API server refused (or a same-named object that is not ours) is a Degraded
+problem marked ``not_applied``: Ready is then False with that reason and message, and
+``observedGeneration`` keeps the last generation that was applied in full.
+
 Conditions keep their ``lastTransitionTime`` while their status does not change, so a
 status computed twice from the same observations is identical (no write, no event).
 """
@@ -30,6 +34,9 @@ class Problem:
     blocks_pods: bool = False
     """The pool's pods could not start (e.g. the model's download would fail): the
     operator leaves its Deployment as it is rather than roll pods into a crash loop."""
+    not_applied: bool = False
+    """A child of this generation could not be written (the API server refused it, or a
+    same-named object is not ours): the status must not claim the generation applied."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,10 @@ def fold_status(
     else:
         ready_reason, ready_msg = "PodsNotReady", f"{ready}/{desired} pods ready"
 
+    refused = next((p for p in problems if p.not_applied), None)
+    if refused is not None:
+        # What runs may be an older generation's template: never Ready on a failed apply.
+        ready_reason, ready_msg = refused.reason, refused.message
     degraded = problems[0] if problems else None
     gen, prev = observed.generation, previous.conditions
     conditions = [
@@ -191,7 +202,8 @@ def fold_status(
     else:
         phase = "Progressing"
     return ServingPoolStatus(
-        observed_generation=gen,
+        # Only a generation whose children were all written counts as observed.
+        observed_generation=gen if refused is None else previous.observed_generation,
         replicas=replicas,
         ready_replicas=ready,
         updated_replicas=updated,

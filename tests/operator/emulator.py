@@ -6,8 +6,11 @@ change nothing (no new resourceVersion, no watch event); ``/status`` and ``/scal
 subresources with their real semantics (the main endpoint ignores status; /scale reads and
 writes ``spec.replicas`` as an ``autoscaling/v1`` Scale); list resourceVersions and label
 selectors; watches that subscribe before listing and resume from ``?resourceVersion=``;
-finalizers and ``deletionTimestamp``. Not emulated: admission/validation, garbage
-collection, server-side apply, RBAC, controllers (Deployments never get pods).
+finalizers and ``deletionTimestamp``; what the API server does to built-in objects on
+every write (defaults, canonical quantities, omitempty: :mod:`.apiserver`); refusals a
+test forces on one object (403, 422); a count of the writes each object received. Not
+emulated: admission/validation, garbage collection, server-side apply, RBAC, controllers
+(Deployments never get pods).
 
 Runs in a background thread with its own event loop, so tests stay synchronous and talk
 to it over HTTP like to any API server (``EmulatorThread.kubeconfig``).
@@ -21,7 +24,6 @@ import copy
 import datetime
 import itertools
 import json
-import re
 import threading
 import uuid
 from pathlib import Path
@@ -31,6 +33,8 @@ import aiohttp.web
 import jsonpatch
 import kmock
 import yaml
+
+from tests.operator.apiserver import normalise, parse_selector, refusal, selector_matches
 
 Key = tuple[kmock.resource, str | None, str]
 
@@ -48,46 +52,6 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
-_REQ = re.compile(
-    r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w.-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$"
-)
-
-
-def parse_selector(text: str) -> list[tuple[str, str, set[str]]]:
-    """Label selector -> [(key, op, values)]; ops: =, !=, in, notin, exists, !exists."""
-    reqs = []
-    for part in re.split(r",(?![^()]*\))", text or ""):
-        if not part.strip():
-            continue
-        m = _REQ.match(part)
-        if not m:
-            raise ValueError(f"bad label selector: {part!r}")
-        neg, key, eq, value, setop, values = m.groups()
-        if eq:
-            reqs.append((key, "!=" if eq == "!=" else "=", {value}))
-        elif setop:
-            reqs.append((key, setop, {v.strip() for v in values.split(",") if v.strip()}))
-        else:
-            reqs.append((key, "!exists" if neg else "exists", set()))
-    return reqs
-
-
-def selector_matches(reqs: list[tuple[str, str, set[str]]], labels: dict[str, str]) -> bool:
-    for key, op, values in reqs:
-        present, value = key in labels, labels.get(key)
-        ok = {
-            "=": present and value in values,
-            "!=": value not in values,
-            "in": present and value in values,
-            "notin": value not in values,
-            "exists": present,
-            "!exists": not present,
-        }[op]
-        if not ok:
-            return False
-    return True
-
-
 class ClusterEmulator(kmock.KubernetesEmulator):
     """See the module docstring."""
 
@@ -100,6 +64,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         self.fail_next: dict[str, list[int]] = {}
         # plural -> list requests served (watches not counted)
         self.lists: collections.Counter[str] = collections.Counter()
+        # (plural, name) -> HTTP status every write of that object is refused with
+        self.refuse: dict[tuple[str, str], int] = {}
+        # (plural, namespace, name, verb) -> write requests received (no-ops included)
+        self.writes: collections.Counter[tuple[str, str | None, str, str]] = collections.Counter()
 
     # ---- registration -----------------------------------------------------------------
 
@@ -137,6 +105,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             if action == kmock.action.FETCH:
                 return aiohttp.web.json_response(await self._fetch(request))
             if action in (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE):
+                self._refused(request)
                 injected = self.fail_next.get(request.resource.plural)
                 if injected:
                     status = injected.pop(0)
@@ -147,6 +116,21 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         except kmock.KubernetesError as e:
             return await self._render_error(e)
         return await super()._handle(request)
+
+    def _refused(self, request: kmock.Request) -> None:
+        """Count the write; raise the refusal a test set for this object, if any."""
+        plural = request.resource.plural if request.resource else ""
+        data = request.data if isinstance(request.data, dict) else {}
+        name = request.name or data.get("metadata", {}).get("name", "")
+        verbs = {kmock.action.CREATE: "create", kmock.action.DELETE: "delete"}
+        verb = verbs.get(request.action or kmock.action.UPDATE, "patch")
+        verb += f"/{request.subresource}" if request.subresource else ""
+        namespace = request.namespace or data.get("metadata", {}).get("namespace")
+        self.writes[(str(plural), namespace, str(name), verb)] += 1
+        status = self.refuse.get((str(plural), str(name)))
+        if status and not request.subresource:
+            reason, message = refusal(status, str(plural), str(name), verb)
+            raise kmock.KubernetesError(status=status, reason=reason, message=message)
 
     def _key(self, request: kmock.Request, name: str | None = None) -> Key:
         # Only object requests get here: a resource and a name (kmock's parsing makes them
@@ -275,6 +259,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     async def _write(self, request: kmock.Request) -> dict[str, Any]:
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        plural = str(request.resource.plural if request.resource else "")
         if request.action == kmock.action.CREATE:
             body = copy.deepcopy(request.data)
             meta = body.setdefault("metadata", {})
@@ -290,6 +275,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 )
             if namespace:
                 meta["namespace"] = namespace
+            body = normalise(plural, body, None)
+            meta = body["metadata"]
             meta.update(
                 uid=str(uuid.uuid4()),
                 generation=1,
@@ -340,7 +327,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 if after["status"] is None:
                     del after["status"]
             else:
-                after = patched
+                after = normalise(plural, patched, before)
                 if "status" in self._subresources(request.resource):
                     after.pop("status", None)  # the main endpoint ignores status
                     if "status" in before:
@@ -431,6 +418,25 @@ class EmulatorThread:
         """Answer the next writes of one resource with these error statuses."""
         assert self.emulator is not None
         self.emulator.fail_next.setdefault(plural, []).extend(statuses)
+
+    def refuse_writes(self, plural: str, name: str, status: int | None) -> None:
+        """Refuse every write of one object (not its /status) with 403 or 422 as the API
+        server words them, until called again with ``status`` None."""
+        assert self.emulator is not None
+        if status is None:
+            self.emulator.refuse.pop((plural, name), None)
+        else:
+            self.emulator.refuse[(plural, name)] = status
+
+    def write_count(self, plural: str, namespace: str, verbs: tuple[str, ...] = ()) -> int:
+        """Write requests one namespace's objects of a resource received so far (no-op
+        patches included); only ``verbs`` (create, patch, delete, patch/status ...) if given."""
+        assert self.emulator is not None
+        return sum(
+            n
+            for (p, ns, _name, verb), n in self.emulator.writes.items()
+            if p == plural and ns == namespace and (not verbs or verb in verbs)
+        )
 
     def list_count(self, plural: str) -> int:
         """How many list requests (not watches) of one resource were served so far."""

@@ -19,8 +19,9 @@ import kopf
 from pydantic import BaseModel, ValidationError
 
 from .. import GROUP, VERSION
-from ..kube import ApiError, Kube
+from ..kube import ApiError, Kube, NotOwned
 from ..settings import OperatorSettings
+from ..status import Problem
 from .modelcheck import ModelChecks
 
 POOLS = (GROUP, VERSION, "servingpools")
@@ -120,6 +121,32 @@ def post(body: Any, events: Iterable[Event]) -> None:
     """Post Events about ``body`` (anything with apiVersion, kind and metadata)."""
     for e in events:
         kopf.event(body, type=e.type, reason=e.reason, message=e.message[:1024])
+
+
+APPLY_REASONS = {403: "Forbidden", 422: "Invalid"}
+"""Degraded reasons of a child the API server refused (any other refusal: ApplyFailed)."""
+
+
+def apply_children(kube: Kube, manifests: Iterable[dict[str, Any]]) -> list[Problem]:
+    """Apply every manifest; what could not be written becomes a :class:`Problem` naming the
+    object (kind namespace/name) and the API error, marked ``not_applied``: 403 Forbidden,
+    422 Invalid, any other refusal ApplyFailed, a same-named object the operator did not
+    make NotOwned (left as it is). The others are still applied. Transient errors (5xx,
+    429, timeouts) raise :class:`ApiError`: the caller retries the whole reconcile."""
+    problems: list[Problem] = []
+    for manifest in manifests:
+        meta = manifest["metadata"]
+        what = f"{manifest['kind']} {meta.get('namespace')}/{meta['name']}"
+        try:
+            kube.apply(manifest)
+        except NotOwned as e:
+            problems.append(Problem("NotOwned", str(e), not_applied=True))
+        except ApiError as e:
+            if e.transient:
+                raise
+            reason = APPLY_REASONS.get(e.status, "ApplyFailed")
+            problems.append(Problem(reason, f"{what}: {e}", not_applied=True))
+    return problems
 
 
 def retrying(retry: int, fn: Callable[[], T]) -> T:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import MANAGED_BY
 from ..builders import (
     PoolRef,
     SLOClassView,
@@ -22,7 +23,7 @@ from ..builders import (
 )
 from ..builders.overlay import OverlayConflict
 from ..status import Problem
-from .common import Context
+from .common import Context, apply_children
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def sync_gateway(
     """Apply the service's gateway children for ``pools`` (all of one service), or delete
     them when ``pools`` is empty. Returns what keeps the gateway from being applied as
     specified: a ``gatewayPod`` overlay in conflict with the pod (its Deployment is then
-    left as it is)."""
+    left as it is), and children the API server refused or that are not ours
+    (:func:`.common.apply_children`)."""
     with ctx.locks("gateway", namespace, service):
         if not pools:
             for kind, child in (
@@ -50,7 +52,7 @@ def sync_gateway(
                 ("ConfigMap", gateway_name(service)),
                 ("ConfigMap", slo_table_name(service)),
             ):
-                ctx.kube.delete(kind, namespace, child)
+                ctx.kube.delete_managed(kind, namespace, child, MANAGED_BY)
             return []
         selectors = [p.spec.slo_class_selector for p in pools]
         table = build_slo_table(classes.views, selectors, classes.verdicts, classes.secrets)
@@ -64,6 +66,4 @@ def sync_gateway(
                 for m in build_gateway_children(pools, table, ctx.settings, overlay=False)
                 if m["kind"] != "Deployment"
             ]
-        for manifest in children:
-            ctx.kube.apply(manifest)
-        return problems
+        return apply_children(ctx.kube, children) + problems

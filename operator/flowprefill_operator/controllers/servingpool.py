@@ -17,6 +17,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+from .. import MANAGED_BY
 from ..builders import (
     PoolRef,
     build_pool_children,
@@ -38,6 +39,7 @@ from .common import (
     Body,
     Context,
     Event,
+    apply_children,
     context,
     health,
     now_rfc3339,
@@ -142,10 +144,15 @@ def reconcile_pool(
             problems.append(Problem("PodOverlayConflict", f"pod: {e}", invalid_spec=True))
             children = build_pool_children(pool, ctx.settings, overlay=False)
         blocked = any(p.blocks_pods or p.invalid_spec for p in problems)
-        for manifest in children:
-            if blocked and manifest["kind"] == "Deployment":
-                continue  # pods that cannot start: keep what runs (if anything) as it is
-            ctx.kube.apply(manifest)
+        # Pods that cannot start: keep what runs (if anything) as it is. A refused child
+        # goes first in the list: it is the Degraded reason, and Ready is False.
+        problems = (
+            apply_children(
+                ctx.kube,
+                (m for m in children if not (blocked and m["kind"] == "Deployment")),
+            )
+            + problems
+        )
         gateway_problems = sync_gateway(
             ctx, namespace, spec.service, peers, judge(ctx, namespace, classes)
         )
@@ -201,9 +208,12 @@ def delete_pool(ctx: Context, body: Body, peers: list[PoolRef], classes: list[Cl
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     with ctx.locks("pool", namespace, name):
-        ctx.kube.delete("Deployment", namespace, name)
-        ctx.kube.delete("Service", namespace, name)
-        ctx.kube.delete("ConfigMap", namespace, engine_configmap_name(name))
+        for kind, child in (
+            ("Deployment", name),
+            ("Service", name),
+            ("ConfigMap", engine_configmap_name(name)),
+        ):
+            ctx.kube.delete_managed(kind, namespace, child, MANAGED_BY)
     service = (body.get("spec") or {}).get("service")
     if isinstance(service, str):
         remaining = [p for p in peers if p.name != name]
