@@ -40,6 +40,33 @@ def render(*args: str) -> list[Manifest]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+def operator_roles(docs: list[Manifest]) -> list[Manifest]:
+    """The Roles and ClusterRoles bound (by a RoleBinding or ClusterRoleBinding in
+    ``docs``) to the operator's ServiceAccount: what the operator may do, as opposed to
+    the users' aggregated roles the chart also renders."""
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    account = {
+        "name": deployment["spec"]["template"]["spec"]["serviceAccountName"],
+        "namespace": deployment["metadata"]["namespace"],
+    }
+    bound = {
+        (b["roleRef"]["kind"], b["metadata"].get("namespace"), b["roleRef"]["name"])
+        for b in docs
+        if b["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        and any(
+            s["kind"] == "ServiceAccount"
+            and (s["name"], s["namespace"]) == (account["name"], account["namespace"])
+            for s in b["subjects"]
+        )
+    }
+    return [
+        d
+        for d in docs
+        if d["kind"] in ("Role", "ClusterRole")
+        and (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) in bound
+    ]
+
+
 # ------------------------------------------------------------------ NetworkPolicy semantics
 
 

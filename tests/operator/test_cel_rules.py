@@ -272,7 +272,8 @@ BINDING = "ValidatingAdmissionPolicyBinding"
 
 
 def gate(kube: str, *args: str) -> list[dict[str, Any]]:
-    docs = render("--kube-version", kube, *args)
+    # Cluster scope unless args say otherwise (the chart's default is namespaced).
+    docs = render("--kube-version", kube, "--set", "watch.scope=cluster", *args)
     return [d for d in docs if d["kind"] in (POLICY, BINDING)]
 
 

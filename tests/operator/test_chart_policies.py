@@ -45,6 +45,7 @@ from tests.operator.chart import (
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama3-8b.yaml"
 PORTS = {"gateway": GATEWAY_PORT, "prefill": PREFILL_PORT, "decode": DECODE_PORT}
 NAMESPACED = ["--set", "watch.scope=namespaced", "--set", "watch.namespaces={team-a,team-b}"]
+CLUSTER = ["--set", "watch.scope=cluster"]  # opt-in: the default is namespaced
 
 
 def policies(*args: str) -> list[Manifest]:
@@ -187,14 +188,15 @@ def test_policies_exist_in_every_watched_namespace_and_validate() -> None:
 
 
 def test_cluster_scope_puts_policies_where_told() -> None:
-    default = policies()
+    default = policies(*CLUSTER)
     assert {p["metadata"]["namespace"] for p in default} == {RELEASE_NAMESPACE}
-    listed = policies("--set", "networkPolicy.namespaces={serving,batch}")
+    listed = policies(*CLUSTER, "--set", "networkPolicy.namespaces={serving,batch}")
     assert {p["metadata"]["namespace"] for p in listed} == {"serving", "batch", RELEASE_NAMESPACE}
     operator = next(p for p in listed if p["metadata"]["name"].endswith("-operator"))
     assert operator["metadata"]["namespace"] == RELEASE_NAMESPACE
     gw, port = pods("anywhere")["gateway"]
-    assert allowed(listed, operator_pod(render()), gw, port)  # cluster scope: any namespace
+    cluster_operator = operator_pod(render(*CLUSTER))
+    assert allowed(listed, cluster_operator, gw, port)  # cluster scope: any namespace
 
 
 def test_values_tighten_the_defaults() -> None:
@@ -265,7 +267,7 @@ def test_the_operator_reaches_the_hub_only_to_check_models(
 
 
 def test_disabling_renders_no_policy() -> None:
-    for mode in ([], NAMESPACED):
+    for mode in ([], NAMESPACED, CLUSTER):
         assert policies(*mode, "--set", "networkPolicy.enabled=false") == []
         assert policies(*mode)  # on by default
 
@@ -281,6 +283,12 @@ EVERYTHING = [
 NAMESPACED_MODES: dict[str, tuple[list[str], set[str]]] = {
     "namespaced": (NAMESPACED, {"team-a", "team-b"}),
     "namespaced-release-only": (["--set", "watch.scope=namespaced"], {RELEASE_NAMESPACE}),
+    "default": ([], {RELEASE_NAMESPACE}),  # namespaced is the default
+    # An installer with no cluster-wide rights: the CRDs applied by an admin, no user roles.
+    "namespaced-no-cluster-objects": (
+        [*NAMESPACED, "--set", "crds.enabled=false", "--set", "rbac.aggregateToUserRoles=false"],
+        {"team-a", "team-b"},
+    ),
     "namespaced-ha-everything": (
         [*NAMESPACED, "--set", "replicaCount=2", "--set", "peering.enabled=true", *EVERYTHING],
         {"team-a", "team-b"},
@@ -290,6 +298,9 @@ NAMESPACED_MODES: dict[str, tuple[list[str], set[str]]] = {
 # Cluster-scoped objects a namespaced install may render: the ImageVolume admission gate
 # below Kubernetes 1.35 (it grants nothing; its binding matches only the watched namespaces).
 GRANT_FREE = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+# ... and, unless turned off, the CRDs (crds.enabled) and the users' aggregated roles
+# (rbac.aggregateToUserRoles), which grant only flowprefill.io and bind to nobody here.
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
 
 
 @pytest.mark.parametrize("mode", NAMESPACED_MODES)
@@ -297,9 +308,18 @@ def test_namespaced_mode_grants_nothing_cluster_wide(mode: str) -> None:
     args, watched = NAMESPACED_MODES[mode]
     docs = render(*args)
     kinds = {d["kind"] for d in docs}
-    assert not kinds & {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}, kinds
-    for doc in docs:  # nothing cluster-scoped (the CRDs come from crds/, not here) but
-        # the admission gate, which binds only the watched namespaces
+    assert not kinds & {"ClusterRoleBinding", "ClusterKopfPeering"}, kinds
+    if "crds.enabled=false" in args:
+        assert not kinds & {"ClusterRole", "CustomResourceDefinition"}, kinds
+    for doc in docs:  # nothing cluster-scoped but the admission gate, which binds only the
+        # watched namespaces, the CRDs, and the users' roles, aggregated and unbound
+        if doc["kind"] == "CustomResourceDefinition":
+            assert doc["spec"]["group"] == "flowprefill.io"
+            continue
+        if doc["kind"] == "ClusterRole":
+            assert any(k.startswith(AGGREGATE) for k in doc["metadata"]["labels"]), doc
+            assert all(r["apiGroups"] == ["flowprefill.io"] for r in doc["rules"]), doc
+            continue
         if doc["kind"] in GRANT_FREE:
             selector = doc["spec"].get("matchResources", {}).get("namespaceSelector")
             if doc["kind"] == "ValidatingAdmissionPolicyBinding":
@@ -327,8 +347,11 @@ def test_namespaced_mode_grants_nothing_cluster_wide(mode: str) -> None:
 
 
 def test_cluster_mode_is_where_the_cluster_role_lives() -> None:
-    docs = render()
-    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    docs = render(*CLUSTER)
+    operator_roles = [
+        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "fp-flowprefill"
+    ]
+    (role,) = operator_roles
     crd_rule = [r for r in role["rules"] if "customresourcedefinitions" in r["resources"]]
     assert crd_rule and set(crd_rule[0]["verbs"]) == {"get", "list", "watch"}
     assert {d["kind"] for d in docs} >= {"ClusterRoleBinding"}

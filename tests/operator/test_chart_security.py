@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.operator.chart import operator_roles
 from tests.operator.test_operator_helm import CASES, _allowed, _operator_pod, template
 
 # --------------------------------------------------------- OpenShift: UIDs, restricted
@@ -36,6 +37,7 @@ def test_no_rendered_object_hard_codes_a_uid(helm: Path, case: str) -> None:
     found = [
         (d["kind"], path)
         for d in docs
+        if d["kind"] != "CustomResourceDefinition"  # templates/crds.yaml
         for path, _ in _keys(d)
         if path.rsplit(".", 1)[-1] in UID_KEYS
     ]
@@ -124,13 +126,18 @@ def test_the_restricted_check_can_fail(helm: Path, setting: str, violation: str)
     assert violation in restricted_violations(pod)
 
 
-@pytest.mark.parametrize("case", ["default", "namespaced", "ha-namespaced"])
+@pytest.mark.parametrize("case", ["default", "namespaced", "ha-namespaced", "cluster"])
 def test_every_role_grants_the_pools_finalizers(helm: Path, case: str) -> None:
     """Each Role (one per watched namespace) or the ClusterRole on its own grants update
-    on servingpools/finalizers, and nothing more on any finalizers."""
+    on servingpools/finalizers, and nothing more on any finalizers; the users' aggregated
+    roles grant none."""
     docs = template(helm, CASES[case])
-    roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+    roles = operator_roles(docs)
     assert roles
+    for user_role in (d for d in docs if d["kind"] == "ClusterRole" and d not in roles):
+        assert not any(
+            r.endswith("/finalizers") for u in user_role["rules"] for r in u["resources"]
+        )
     for role in roles:
         assert _allowed(role["rules"], "flowprefill.io", "servingpools/finalizers", "update")
         for rule in role["rules"]:

@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.operator.chart import operator_roles
 from tests.operator.crdcheck import load_crds, validate_cr
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "flowprefill"
@@ -19,9 +20,13 @@ CHART = Path(__file__).resolve().parents[2] / "charts" / "flowprefill"
 K8S_VERSIONS = ["1.30", "1.33", "1.35"]
 
 CASES: dict[str, list[str]] = {
-    "default": [],
+    "default": [],  # namespaced: the release namespace
     "namespaced": ["--set", "watch.scope=namespaced", "--set", "watch.namespaces={team-a,team-b}"],
-    "ha-cluster": ["--set", "replicaCount=2", "--set", "peering.enabled=true"],
+    "cluster": ["--set", "watch.scope=cluster", "--set", "rbac.secretNames={hf-token,api-keys}"],
+    "ha-cluster": [
+        "--set", "replicaCount=2", "--set", "peering.enabled=true", "--set", "watch.scope=cluster",
+    ],
+    "crds-by-hand": ["--set", "crds.enabled=false", "--set", "rbac.aggregateToUserRoles=false"],
     "ha-namespaced": [
         "--set",
         "replicaCount=2",
@@ -145,7 +150,7 @@ def test_the_operator_serves_its_metrics_where_the_chart_says(helm: Path, port: 
 
 
 def test_scope_modes_and_least_privilege(helm: Path) -> None:
-    cluster = template(helm, CASES["default"])
+    cluster = template(helm, CASES["cluster"])
     assert "--all-namespaces" in _operator_args(cluster)
     assert "--standalone" in _operator_args(cluster)
     assert {d["kind"] for d in cluster} >= {"ClusterRole", "ClusterRoleBinding"}
@@ -153,7 +158,8 @@ def test_scope_modes_and_least_privilege(helm: Path) -> None:
     namespaced = template(helm, CASES["namespaced"])
     args = _operator_args(namespaced)
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
-    assert not {"ClusterRole", "ClusterRoleBinding"} & {d["kind"] for d in namespaced}
+    assert "ClusterRoleBinding" not in {d["kind"] for d in namespaced}
+    assert {r["kind"] for r in operator_roles(namespaced)} == {"Role"}
     roles = [d for d in namespaced if d["kind"] == "Role"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
 
@@ -161,7 +167,14 @@ def test_scope_modes_and_least_privilege(helm: Path) -> None:
         for rule in doc.get("rules", []):
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
             if "secrets" in rule["resources"]:
-                assert rule["verbs"] == ["get"], "only named Secrets, never list/watch"
+                assert rule["resources"] == ["secrets"] and rule["verbs"] == ["get"], (
+                    "only named Secrets, never list/watch"
+                )
+    # rbac.secretNames: the cluster-wide get is limited to the Secrets pools and classes name.
+    (secret_rule,) = [
+        r for d in operator_roles(cluster) for r in d["rules"] if "secrets" in r["resources"]
+    ]
+    assert secret_rule["resourceNames"] == ["hf-token", "api-keys"]
 
 
 def _allowed(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
@@ -187,19 +200,43 @@ NEEDED = {
     ("", "secrets"): ["get"],
     ("", "persistentvolumeclaims"): ["get"],
     ("", "events"): ["create"],
+    # The gateway's optional children (issue 22): PDB, HPA, Gateway API HTTPRoute.
+    **{
+        key: ["get", "list", "watch", "create", "update", "patch", "delete"]
+        for key in (
+            ("policy", "poddisruptionbudgets"),
+            ("autoscaling", "horizontalpodautoscalers"),
+            ("gateway.networking.k8s.io", "httproutes"),
+        )
+    },
 }
 
 
-@pytest.mark.parametrize("case", ["default", "namespaced", "ha-cluster"])
+@pytest.mark.parametrize(
+    "case", ["default", "namespaced", "cluster", "ha-cluster", "ha-namespaced"]
+)
 def test_rbac_covers_what_the_operator_does(helm: Path, case: str) -> None:
+    """Every Role (one per served namespace), or the ClusterRole, the operator is bound to
+    grants what it does: NEEDED, and at least get on every kind its API layer knows
+    (kube.RESOURCES, where a kind the operator starts to read or build must be added)."""
+    from flowprefill_operator.kube import RESOURCES
+
     docs = template(helm, CASES[case])
-    rules = [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
+    roles = operator_roles(docs)
+    assert roles
     needed = dict(NEEDED)
+    peering = "clusterkopfpeerings" if "watch.scope=cluster" in CASES[case] else "kopfpeerings"
     if "peering.enabled=true" in CASES[case]:
-        needed[("kopf.dev", "clusterkopfpeerings")] = ["get", "list", "watch", "patch"]
-    for (group, resource), verbs in needed.items():
-        for verb in verbs:
-            assert _allowed(rules, group, resource, verb), f"{verb} {group}/{resource}"
+        needed[("kopf.dev", peering)] = ["get", "list", "watch", "patch"]
+    for kind, (prefix, plural) in RESOURCES.items():
+        group = prefix.removeprefix("/apis/").rpartition("/")[0] if prefix != "/api/v1" else ""
+        verbs = needed.setdefault((group, plural), [])
+        if kind != "Event":  # the operator only writes Events
+            verbs.append("get")
+    for role in roles:
+        for (group, resource), verbs in needed.items():
+            for verb in verbs:
+                assert _allowed(role["rules"], group, resource, verb), f"{verb} {group}/{resource}"
 
 
 def test_values_schema_refuses_bad_values(helm: Path) -> None:

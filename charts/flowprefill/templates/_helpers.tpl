@@ -106,7 +106,10 @@ false
 {{- end -}}
 {{- end -}}
 
-{{/* The rules the operator needs in every namespace it serves. */}}
+{{/* The rules the operator needs in every namespace it serves: a Role's in namespaced
+mode, the ClusterRole's in cluster mode. Every kind the operator reads or builds
+(kube.py's RESOURCES, the builders' children); tests/operator/test_operator_helm.py holds
+them against the list of what the operator does. */}}
 {{- define "flowprefill.namespacedRules" -}}
 - apiGroups: ["flowprefill.io"]
   resources: ["servingpools", "sloclasses"]
@@ -130,11 +133,31 @@ false
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "create", "patch", "delete"]
+# The gateway's optional children: a PodDisruptionBudget, a HorizontalPodAutoscaler and a
+# Gateway API HTTPRoute to its Service (created, kept in shape, deleted when turned off).
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list"]
+# Secrets are read by name only (never listed or watched): a pool's model.tokenSecretRef
+# and the API-key Secrets an SLOClass's claims name. rbac.secretNames narrows get to
+# those names.
 - apiGroups: [""]
-  resources: ["secrets", "persistentvolumeclaims"]
+  resources: ["secrets"]
+  verbs: ["get"]
+  {{- with .Values.rbac.secretNames }}
+  resourceNames: {{ toJson . }}
+  {{- end }}
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
   verbs: ["get"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
