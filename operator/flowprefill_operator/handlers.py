@@ -18,8 +18,9 @@ import kopf
 from . import GROUP
 from .attainment import AttainmentTracker
 from .controllers import autoscaler, indexes, scraper, servingpool, sloclass  # noqa: F401
-from .controllers.autoscaler import ScalerRounds
+from .controllers.autoscaler import Histories, ScalerRounds
 from .controllers.common import SETTINGS, Context, Health, KeyedLocks, health, now_rfc3339
+from .controllers.scraper import LatestScrapes
 from .controllers.sloclass import ClassSync
 from .kube import Kube, load_client
 from .metrics import OperatorMetrics
@@ -34,6 +35,10 @@ def peering_priority(pod_name: str) -> int:
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """kopf's settings, and the state every controller shares (the memo's objects are
     shared by the per-object copies kopf makes of it)."""
+    # kopf's own finalizer, only there while a process runs timers on the pool: released on
+    # a graceful exit (controllers.servingpool.release_finalizers), so uninstalling before
+    # deleting the pools hangs nothing. The name is the one earlier versions used, so the
+    # finalizer existing pools carry is the one kopf manages and releases.
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -51,6 +56,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.class_sync = ClassSync()
     memo.attainment = AttainmentTracker(SETTINGS.attainment_window_s)
     memo.scaler_rounds = ScalerRounds()
+    memo.latest_scrapes = LatestScrapes()
+    memo.autoscaler_histories = Histories()
     memo.operator_metrics = OperatorMetrics()
     memo.operator_metrics.serve(SETTINGS.metrics_port)
     memo.health = Health(started=now_rfc3339())

@@ -8,9 +8,9 @@ writes ``spec.replicas`` as an ``autoscaling/v1`` Scale); list resourceVersions 
 selectors; watches that subscribe before listing and resume from ``?resourceVersion=``;
 finalizers and ``deletionTimestamp``; what the API server does to built-in objects on
 every write (defaults, canonical quantities, omitempty: :mod:`.apiserver`); refusals a
-test forces on one object (403, 422); a count of the writes each object received. Not
-emulated: admission/validation, garbage collection, server-side apply, RBAC, controllers
-(Deployments never get pods).
+test forces on one object (403, 422); a count of the writes each object received;
+garbage collection by ownerReferences. Not emulated: admission/validation, server-side
+apply, RBAC, controllers (Deployments never get pods).
 
 Runs in a background thread with its own event loop, so tests stay synchronous and talk
 to it over HTTP like to any API server (``EmulatorThread.kubeconfig``).
@@ -305,6 +305,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             self._objects[key].delete()
             before["metadata"]["resourceVersion"] = str(next(self._rv))
             await self._emit(request.resource, "DELETED", before)
+            await self._collect_garbage(key[1])
             return before
 
         patch = request.data
@@ -360,6 +361,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             self._objects[key].delete()
             await self._emit(resource, "DELETED", after)
+            await self._collect_garbage(key[1])
             return after
         self._objects[key].patch(None)  # new history entry, then replace its content
         version = self._objects[key].last
@@ -367,6 +369,27 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         version.update(after)
         await self._emit(resource, "MODIFIED", after)
         return after
+
+    async def _collect_garbage(self, namespace: str | None) -> None:
+        """kube-controller-manager's garbage collector, background propagation: an object
+        whose ownerReferences all name objects that no longer exist is deleted (objects
+        with finalizers are not emulated here), and so on down the chain."""
+        live = {o.raw["metadata"].get("uid") for o in self._objects.values() if not o.deleted}
+        orphans = [
+            (key, obj)
+            for key, obj in list(self._objects.items())
+            if key[1] == namespace
+            and not obj.deleted
+            and (owners := obj.raw["metadata"].get("ownerReferences"))
+            and not any(r.get("uid") in live for r in owners)
+        ]
+        for key, obj in orphans:
+            gone = copy.deepcopy(obj.raw)
+            obj.delete()
+            gone["metadata"]["resourceVersion"] = str(next(self._rv))
+            await self._emit(key[0], "DELETED", gone)
+        if orphans:
+            await self._collect_garbage(namespace)
 
 
 class EmulatorThread:

@@ -271,8 +271,62 @@ def refresh_pool(
     health(memo).reconciled()
 
 
-@kopf.on.delete(*POOLS, id="delete_pool")
+@kopf.on.delete(*POOLS, id="delete_pool", optional=True)
 def pool_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs: Any) -> None:
-    """Deleting (our finalizer holds it): children gone and gateway updated, or retry."""
+    """Deleting while the operator runs: drop the pool from its gateway now (best effort:
+    ``optional``, so this handler needs no finalizer; owner references garbage-collect the
+    children anyway, and the service's other pools' timers rewrite the gateway)."""
     inputs = _inputs(body, kwargs)
     retrying(retry, lambda: delete_pool(context(memo), *inputs))
+
+
+# ---- the finalizer kopf's timers need --------------------------------------------------
+# kopf puts its finalizer (settings.persistence.finalizer) on every object that has timers
+# (refresh, SLO class resync, attainment, autoscale) so that it can stop them before the
+# object disappears; kopf offers no timer without one. It guards only this process's
+# timers: once the process stops there is nothing left to clean up, and a pool deleted
+# after the operator was uninstalled would otherwise hang in Terminating (and its
+# namespace with it). So the operator releases it from every pool on a graceful exit; a
+# new process puts it back on the pools it resumes.
+
+ServedIndex = kopf.Index[None, tuple[str, str]]
+
+
+@kopf.index(*POOLS)
+def served_pools(namespace: str | None, name: str, **_: Any) -> dict[None, tuple[str, str]]:
+    """Every pool this process watches, valid or not (kopf's timers run on each)."""
+    return {None: (namespace, name)} if namespace else {}
+
+
+def release_finalizer(ctx: Context, namespace: str, name: str, finalizer: str) -> bool:
+    """Remove ``finalizer`` from one pool (others' finalizers stay); True if it was there.
+    The resourceVersion in the patch makes a concurrent finalizer change a 409, not a loss."""
+    live = ctx.kube.get("ServingPool", namespace, name)
+    finalizers = list((live or {}).get("metadata", {}).get("finalizers") or [])
+    if live is None or finalizer not in finalizers:
+        return False
+    rest = [f for f in finalizers if f != finalizer]
+    version = live["metadata"]["resourceVersion"]
+    patch = {"metadata": {"finalizers": rest or None, "resourceVersion": version}}
+    ctx.kube.patch("ServingPool", namespace, name, patch)
+    return True
+
+
+@kopf.on.cleanup()
+def release_finalizers(
+    memo: kopf.Memo,
+    settings: kopf.OperatorSettings,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+    **kwargs: Any,
+) -> None:
+    """On a graceful exit (kopf runs cleanup after its watches and timers stopped, so
+    nothing puts it back): release kopf's finalizer from every pool served."""
+    index: ServedIndex = kwargs["served_pools"]
+    ctx, finalizer = context(memo), settings.persistence.finalizer
+    released = 0
+    for namespace, name in sorted(set(index.get(None, []))):
+        try:
+            released += release_finalizer(ctx, namespace, name, finalizer)
+        except ApiError as e:
+            logger.warning("finalizer of %s/%s not released: %s", namespace, name, e)
+    logger.info("released the finalizer of %d pools on exit", released)
