@@ -124,6 +124,11 @@ class NixlSettings(BaseModel):
     lease_s: float = Field(
         DEFAULT_LEASE_S, gt=0, description="Blocks no decode read are freed after this long."
     )
+    progress_thread: bool | None = Field(
+        None,
+        description="Run NIXL's progress thread (it polls without sleeping: a core to "
+        "itself); null: on a GPU yes, on CPU no (the notification poll progresses the agent).",
+    )
 
 
 class KVHandoffSettings(BaseModel):

@@ -41,6 +41,9 @@ TRANSFER_MODE = "pull"
 GET_META_MSG = b"get_meta_msg"
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+NIXL_PROGRESS_THREAD_ENV = "FLOWPREFILL_NIXL_PROGRESS_THREAD"
+"""``0``: a decode process's NIXL agents run without NIXL's progress thread, which spins a
+core (:mod:`flowprefill.kv.vllm_plugin`); CPU hosts set it, GPU nodes do not."""
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 """vLLM's default side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``)."""
 HEARTBEAT_PREFIX = "HB:"

@@ -31,6 +31,7 @@ from flowprefill.contracts.kv import connector_config, kv_transfer_config
 from flowprefill.contracts.names import KVTransport, Role
 from flowprefill.contracts.nixl import (
     FLASH_ATTENTION,
+    NIXL_PROGRESS_THREAD_ENV,
     SIDE_CHANNEL_HOST_ENV,
     SIDE_CHANNEL_PORT_ENV,
     consumer_kv_transfer_config,

@@ -80,15 +80,23 @@ class NixlRegion:
     instance has one; only rank 0 also runs the side channel and the leases).
 
     ``name_prefix`` + a fresh uuid names the agent: a peer that restarts under an old name
-    makes consumers fail with ``NIXL_ERR_REMOTE_DISCONNECT``."""
+    makes consumers fail with ``NIXL_ERR_REMOTE_DISCONNECT``. ``progress_thread``: NIXL's
+    own progress thread (:func:`flowprefill.kv.nixl.settings.progress_thread` says when);
+    without it the agent progresses when its notifications are read."""
 
     def __init__(
-        self, layout: PageLayout, pool: BlockPool, name_prefix: str = "flowprefill"
+        self,
+        layout: PageLayout,
+        pool: BlockPool,
+        name_prefix: str = "flowprefill",
+        *,
+        progress_thread: bool = True,
     ) -> None:
         api = _nixl()
         self.layout, self.pool = layout, pool
         self.agent_name = f"{name_prefix}-{uuid.uuid4()}"
-        self.agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=["UCX"]))
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        self.agent = api.nixl_agent(self.agent_name, config)
         device = pool.buffer.device
         self.mem_type = "DRAM" if device.type == "cpu" else "VRAM"
         self.device_id = 0 if device.type == "cpu" else int(device.index or 0)
@@ -161,7 +169,7 @@ class NixlProducer:
 
     ``host``/``port``: where the side channel listens (port 0 picks one);
     ``advertise_host``: the address consumers reach it at (the pod IP), which the
-    answers carry as ``remote_host``.
+    answers carry as ``remote_host``; ``progress_thread``: see :class:`NixlRegion`.
 
     Tensor parallelism: ``peers`` are the other ranks' :meth:`NixlRegion.agent_metadata`
     by rank (each rank's pool holds its own heads, the same block count), and
@@ -182,6 +190,7 @@ class NixlProducer:
         peers: dict[int, dict[str, Any]] | None = None,
         publish_peers: PeerPublish | None = None,
         peer_notifications: Callable[[], list[tuple[int, str]]] | None = None,
+        progress_thread: bool = True,
     ) -> None:
         peers = peers or {}
         if sorted(peers) != list(range(1, len(peers) + 1)):
@@ -193,7 +202,12 @@ class NixlProducer:
         self._publish_peers = publish_peers
         self._peer_notifications = peer_notifications
         self.engine_id = str(uuid.uuid4())
-        self.region = NixlRegion(layout, pool, name_prefix=f"flowprefill-{self.engine_id[:8]}")
+        self.region = NixlRegion(
+            layout,
+            pool,
+            name_prefix=f"flowprefill-{self.engine_id[:8]}",
+            progress_thread=progress_thread,
+        )
         self.agent_name = self.region.agent_name
         self.leases = Leases(pool.release, lease_s, ranks=self.tp_size)
         payloads = {(0, 0): self._handshake_payload(self.region.agent_metadata(self.engine_id))}
@@ -211,9 +225,10 @@ class NixlProducer:
         self._thread.start()
         log.info(
             "NIXL producer %s: %d blocks × %d layers (%.1f MiB) on %s, %d rank(s), "
-            "side channel %s:%d",
+            "side channel %s:%d, progress thread %s",
             self.engine_id, pool.num_blocks, pool.num_layers, pool.nbytes / 2**20,
             pool.buffer.device, self.tp_size, self.host, self.port,
+            "on" if progress_thread else "off",
         )  # fmt: skip
 
     # ------------------------------------------------------------------ handshake

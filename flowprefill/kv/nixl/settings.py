@@ -48,6 +48,21 @@ def rank_layout(
     )
 
 
+def progress_thread(settings: NixlSettings, device: torch.device) -> bool:
+    """Whether a rank's NIXL agent runs NIXL's progress thread.
+
+    That thread polls its UCX workers without ever sleeping (the Python binding fixes its
+    delay at 0), so it holds a core for the life of the process. On a GPU node that is the
+    usual trade (vLLM's own agent does the same) for reads served and notifications
+    delivered the moment they arrive. On a CPU host the core is the one prefill computes
+    on: there the agent is progressed by the producer's notification poll instead
+    (``NOTIFY_POLL_S``), and same-host reads go through UCX's shared-memory transports,
+    which need no progress on our side."""
+    if settings.progress_thread is not None:
+        return settings.progress_thread
+    return device.type != "cpu"
+
+
 def rank_pool(
     settings: NixlSettings,
     layout: PageLayout,

@@ -24,7 +24,7 @@ from flowprefill.contracts import NixlSettings
 from flowprefill.contracts.names import DType
 from flowprefill.contracts.nixl import SIDE_CHANNEL_HOST_ENV
 from flowprefill.kv.nixl.producer import NixlProducer, PeerPublish, ServedModel
-from flowprefill.kv.nixl.settings import rank_layout, rank_pool
+from flowprefill.kv.nixl.settings import progress_thread, rank_layout, rank_pool
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ def nixl_sink(
         peers=peers,
         publish_peers=publish_peers,
         peer_notifications=peer_notifications,
+        progress_thread=progress_thread(settings, torch_device),
     )
     log.info(
         "KV over NIXL: %s pages of %d tokens for decode --model %s (hash %s…), %d rank(s)",

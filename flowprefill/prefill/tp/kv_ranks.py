@@ -68,14 +68,19 @@ class FollowerKV:
     def __init__(self, config: EngineConfig, rank: int, model_config: Any, device: torch.device,
                  notifications: Any) -> None:  # fmt: skip
         from flowprefill.kv.nixl.producer import NixlRegion
-        from flowprefill.kv.nixl.settings import rank_layout, rank_pool
+        from flowprefill.kv.nixl.settings import progress_thread, rank_layout, rank_pool
 
         assert config.kv is not None
         settings = config.kv.nixl or NixlSettings()
         layout = rank_layout(settings, model_config, config.dtype, device, config.tp_size)
         pool = rank_pool(settings, layout, model_config, device, config.tp_size)
         self.rank = rank
-        self.region = NixlRegion(layout, pool, name_prefix=f"flowprefill-rank{rank}")
+        self.region = NixlRegion(
+            layout,
+            pool,
+            name_prefix=f"flowprefill-rank{rank}",
+            progress_thread=progress_thread(settings, device),
+        )
         self._kv: OrderedDict[str, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self._ready = threading.Condition()
         self._queue = notifications

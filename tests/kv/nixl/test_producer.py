@@ -285,6 +285,44 @@ def test_heartbeat_notification_extends_the_lease(producer: NixlProducer, peer: 
 
 
 def test_peer_reads_published_blocks_over_nixl(producer: NixlProducer, peer: Any) -> None:
+    _read_published_blocks(producer, peer)
+
+
+def test_reads_and_notifications_need_no_progress_thread(peer: Any) -> None:
+    """On CPU the producer runs without NIXL's progress thread; its notification poll
+    progresses the agent, and a consumer's READ still completes and ends the lease."""
+    layout = _layout()
+    polled = NixlProducer(MODEL, layout, BlockPool(layout, LAYERS, BLOCKS), progress_thread=False)
+    try:
+        _read_published_blocks(polled, peer)
+    finally:
+        polled.close()
+
+
+def _busy_cpu_s(progress_thread: bool, seconds: float = 1.0) -> float:
+    """CPU time this process spends while an idle producer exists for ``seconds``."""
+    layout = _layout()
+    p = NixlProducer(MODEL, layout, BlockPool(layout, LAYERS, 2), progress_thread=progress_thread)
+    try:
+        time.sleep(0.2)  # past start-up
+        start = time.process_time()
+        time.sleep(seconds)
+        return time.process_time() - start
+    finally:
+        p.close()
+
+
+def test_an_idle_producer_without_progress_thread_leaves_the_cpu_alone() -> None:
+    """NIXL's progress thread polls without sleeping (a core for the life of the process,
+    which on a CPU host is prefill's); without it an idle producer only wakes to read
+    notifications."""
+    polled = _busy_cpu_s(progress_thread=False)
+    spinning = _busy_cpu_s(progress_thread=True)
+    assert polled < 0.2, f"idle producer used {polled:.2f} s of CPU in 1 s"
+    assert spinning > 2 * polled, (spinning, polled)
+
+
+def _read_published_blocks(producer: NixlProducer, peer: Any) -> None:
     tokens = 70  # 3 blocks, the last one partly filled
     layers = _layers(tokens, seed=3)
     answer = producer.publish("read-me", layers, tokens)
