@@ -1,6 +1,7 @@
 """SLOClass controller: acceptance of every class of a namespace (status ``accepted``,
-``reason``, ``message``) and, through the gateway controller, the SLO table of every
-service there.
+``reason``, ``message`` and the ``Ready`` condition; ``Degraded`` and the attainment
+fields are the attainment job's, see :mod:`..classstatus`) and, through the gateway
+controller, the SLO table of every service there.
 
 Any change of a class's spec or labels, or a deletion, re-judges the whole namespace (a
 second default or a missing Secret is a property of the set, not of one class). The
@@ -22,9 +23,21 @@ from typing import Any
 import kopf
 
 from ..builders import PoolRef, Verdict, judge_classes, sha256_hex
+from ..classstatus import ready_condition, set_condition
 from ..kube import ApiError
 from ..models import SLOClassStatus
-from .common import CLASSES, POOLS, SETTINGS, Context, Event, context, from_memo, parse_status, post
+from .common import (
+    CLASSES,
+    POOLS,
+    SETTINGS,
+    Context,
+    Event,
+    context,
+    from_memo,
+    now_rfc3339,
+    parse_status,
+    post,
+)
 from .gateway import JudgedClasses, sync_gateway
 from .indexes import (
     ClassEntry,
@@ -88,19 +101,25 @@ def judge(ctx: Context, namespace: str, entries: list[ClassEntry]) -> JudgedClas
 
 
 def write_verdict(ctx: Context, entry: ClassEntry, verdict: Verdict) -> bool:
-    """Patch the verdict into the class's status unless it is there already."""
+    """Patch the verdict into the class's status, with its Ready condition
+    (:mod:`..classstatus`), unless it is there already. The Degraded condition is the
+    attainment job's and is kept as it is."""
     previous: SLOClassStatus = parse_status(SLOClassStatus, dict(entry.status))
+    ready = ready_condition(
+        verdict.accepted, verdict.reason, verdict.message, entry.view.generation
+    )
     wanted = previous.model_copy(
         update={
             "accepted": verdict.accepted,
             "reason": verdict.reason,
             "message": verdict.message,
             "observed_generation": entry.view.generation,
+            "conditions": set_condition(previous.conditions, ready, now_rfc3339()),
         }
     )
     if wanted.wire() == previous.wire():
         return False
-    fields = ("accepted", "reason", "message", "observedGeneration")
+    fields = ("accepted", "reason", "message", "observedGeneration", "conditions")
     patch = {"status": {k: v for k, v in wanted.wire().items() if k in fields}}
     meta = entry.ref["metadata"]
     ctx.kube.patch("SLOClass", meta["namespace"], meta["name"], patch, sub="status")

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from .common import CRModel, cel
+from .common import Condition, CRModel, cel
 
 TaskType = Literal["text", "image", "search", "file", "other"]
 SHA256_HEX = r"^[a-f0-9]{64}$"
@@ -225,4 +225,16 @@ class SLOClassStatus(CRModel):
     )
     window_seconds: int | None = Field(
         default=None, description="Length of the window the attainment covers."
+    )
+    attainment_time: str | None = Field(
+        default=None,
+        description="When attainment, requestCount and shedCount were last written (RFC "
+        "3339): at once when the attainment moves by a percentage point or a condition "
+        "changes, else at most every 5 minutes.",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready (the class is in use as specified) and Degraded (attainment "
+        "below spec.attainmentTarget: reason AttainmentBelowTarget).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
