@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -22,6 +23,7 @@ from flowprefill.contracts.deployment import GATEWAY_PORT, METRICS_PATH
 from .. import MANAGED_BY
 from ..attainment import AttainmentTracker, fetch_text, scrape
 from ..builders.common import ROLE_LABEL, SERVICE_LABEL
+from ..classstatus import attainment_patch
 from ..kube import ApiError
 from .common import POOLS, SETTINGS, Context, context, from_memo
 from .indexes import ClassEntry, class_index, classes_of
@@ -67,7 +69,8 @@ def refresh_attainment(ctx: Context, tracker: AttainmentTracker, namespace: str)
 def write_attainment(
     ctx: Context, tracker: AttainmentTracker, namespace: str, classes: list[ClassEntry]
 ) -> int:
-    """Fold the window's counts into every class of the namespace; returns the writes."""
+    """Fold the window's counts into every class of the namespace, with its Degraded
+    condition, at the rate :mod:`..classstatus` states; returns the writes."""
     refresh_attainment(ctx, tracker, namespace)
     if tracker.sample_count(namespace) < 2:
         return 0  # not enough samples for a window yet
@@ -81,9 +84,12 @@ def write_attainment(
             "shedCount": round(att.shed) if att else 0,
             "windowSeconds": int(ctx.settings.attainment_window_s),
         }
-        if all(entry.status.get(k) == v for k, v in fields.items()):
-            continue
-        ctx.kube.patch("SLOClass", namespace, entry.name, {"status": fields}, sub="status")
+        spec, now = entry.view.spec, datetime.now(UTC)
+        target = spec.attainment_target if spec else None
+        patch = attainment_patch(entry.status, fields, target, entry.view.generation, now)
+        if patch is None:
+            continue  # unchanged, or a small change written recently (classstatus' rule)
+        ctx.kube.patch("SLOClass", namespace, entry.name, patch, sub="status")
         writes += 1
     return writes
 
