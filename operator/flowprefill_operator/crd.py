@@ -23,6 +23,7 @@ from pydantic.json_schema import JsonDict
 from . import GROUP, VERSION
 from .models import ServingPoolSpec, ServingPoolStatus, SLOClassSpec, SLOClassStatus
 from .models.common import cel
+from .models.gateway import GATEWAY_SUFFIX, RESERVED_POOL_NAME
 
 _DROP = {"title", "$defs"}
 _ORDER = {"type": 0, "description": 1, "required": 2, "properties": 3}
@@ -107,8 +108,9 @@ SERVINGPOOL = ResourceKind(
             "name must be a DNS-1035 label (it names the pool's Service)",
         ),
         cel(
-            "self.metadata.name != self.spec.service + '-gateway'",
-            "name <service>-gateway is reserved for the service's gateway",
+            # Any service's, not only its own: a pool's children take the pool's name.
+            f"!self.metadata.name.endsWith('{GATEWAY_SUFFIX}')",
+            RESERVED_POOL_NAME,
         ),
     ],
 )

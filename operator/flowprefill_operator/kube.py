@@ -27,6 +27,10 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Secret": ("/api/v1", "secrets"),
     "Service": ("/api/v1", "services"),
     "Deployment": ("/apis/apps/v1", "deployments"),
+    # The gateway's optional children (builders/gateway_ha.py).
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "HTTPRoute": ("/apis/gateway.networking.k8s.io/v1", "httproutes"),
     "ServingPool": (f"/apis/{API_VERSION}", "servingpools"),
     "SLOClass": (f"/apis/{API_VERSION}", "sloclasses"),
 }

@@ -5,6 +5,7 @@ The Helm chart sets them from values.yaml; every field has a safe default for te
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -12,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flowprefill.contracts.deployment import OPERATOR_ENV_PREFIX
+
+from .models.gateway import ParentRef
 
 ENV_PREFIX = OPERATOR_ENV_PREFIX
 
@@ -31,7 +34,18 @@ class OperatorSettings(BaseModel):
         default="ghcr.io/flowprefill/gateway:0.1.0", description="Gateway image."
     )
     image_pull_policy: str = Field(default="IfNotPresent", description="Pull policy of children.")
-    gateway_replicas: int = Field(default=1, ge=1, description="Gateway pods per service.")
+    gateway_replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Gateway pods per service unless its pool sets gateway.replicas (the "
+        "chart's gateway.replicas); above 1 with a PodDisruptionBudget.",
+    )
+    gateway_route_parent_refs: tuple[ParentRef, ...] = Field(
+        default=(),
+        description="parentRefs of the HTTPRoute the operator adds for every service (the "
+        "chart's gateway.httpRoute.parentRefs; JSON in the environment); empty: a route "
+        "only for services whose pool sets gateway.httpRoute.parentRefs.",
+    )
     cluster_domain: str = Field(default="cluster.local", description="Cluster DNS domain.")
     reconcile_interval_s: float = Field(
         default=30.0, gt=0, description="Timer: re-apply children and fold their state into status."
@@ -80,6 +94,13 @@ class OperatorSettings(BaseModel):
     def _split(cls, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("gateway_route_parent_refs", mode="before")
+    @classmethod
+    def _json(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(json.loads(value) or ()) if value.strip() else ()
         return value
 
     @classmethod

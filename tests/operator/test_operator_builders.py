@@ -96,6 +96,9 @@ def test_prefill_command_config_and_probes() -> None:
         "/etc/flowprefill/engine.json",
         "--port",
         "8100",
+        # The drain bound the grace period is sized around (builders/rollout.py).
+        "--drain-timeout",
+        "60",
     ]
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
@@ -181,6 +184,9 @@ def test_decode_command_and_model_image_volume() -> None:
         "FLASH_ATTN",
         "--block-size",
         "16",
+        # vLLM's default (0) aborts every stream on SIGTERM: drain them instead.
+        "--shutdown-timeout",
+        "300",
         "--max-model-len=8192",
     ]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -245,7 +251,8 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
     # Decode pulls from the pod's KV port, not its API port (which the gateways reach):
     # serve-prefill listens there, the pod names it, and the hand-offs advertise it.
     assert by_name["FLOWPREFILL_KV_ADVERTISE_URL"]["value"] == "http://$(POD_IP):8300"
-    assert container["command"][-2:] == ["--kv-port", "8300"]
+    command = container["command"]
+    assert command[command.index("--kv-port") + 1] == "8300"
     assert container["ports"] == [
         {"name": "http", "containerPort": 8100, "protocol": "TCP"},
         {"name": "kv", "containerPort": 8300, "protocol": "TCP"},

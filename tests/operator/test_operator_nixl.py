@@ -179,7 +179,7 @@ def test_decode_with_nixl_is_stock_vllm_as_the_contracts_render_it() -> None:
         model_path="/models/llama",
         port=DECODE_PORT,
         kv_transport=KVTransport.NIXL,
-        extra_args=["--block-size", "16", "--max-model-len=8192"],
+        extra_args=["--block-size", "16", "--shutdown-timeout", "300", "--max-model-len=8192"],
         side_channel_port=DECODE_SIDE_CHANNEL_PORT,
     )
     assert c["command"] == expected.argv == pool_process(s).argv

@@ -35,6 +35,7 @@ from tests.operator.harness import wait_for
 SETTINGS = OperatorSettings()
 PREFILL_COMMAND = [
     "flowprefill", "serve-prefill", "--config", "/etc/flowprefill/engine.json", "--port", "8100",
+    "--drain-timeout", "60",
 ]  # fmt: skip
 
 

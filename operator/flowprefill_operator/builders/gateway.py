@@ -13,7 +13,9 @@ from flowprefill.contracts.deployment import (
 )
 from flowprefill.contracts.processes import ProcessSpec, gateway_process
 
+from ..models.gateway import GATEWAY_SUFFIX
 from ..settings import OperatorSettings
+from . import rollout
 from .common import (
     CONFIG_HASH,
     SCRATCH_ENV,
@@ -30,13 +32,24 @@ from .common import (
     owner_reference,
     pod_security_context,
 )
+from .gateway_ha import (
+    anti_affinity,
+    build_hpa,
+    build_http_route,
+    build_pdb,
+    gateway_replicas,
+    gateway_strategy,
+)
 from .model import tokenizer_dir, tokenizer_parts
 from .overlay import apply_pod_overlay
 from .pool import IMAGE, pool_port
 
 
 def gateway_name(service: str) -> str:
-    return f"{service}-gateway"
+    """The gateway's Deployment, Service, ConfigMap, PDB, HPA and HTTPRoute. Unique: no
+    other service's gateway ends in the same name, and no pool may end its name in
+    :data:`GATEWAY_SUFFIX` (the CRD's rule), pools' children being named after them."""
+    return f"{service}{GATEWAY_SUFFIX}"
 
 
 def slo_table_name(service: str) -> str:
@@ -99,7 +112,9 @@ def build_slo_table_configmap(pools: list[PoolRef], table: SLOTable) -> Manifest
 def build_gateway_children(
     pools: list[PoolRef], table: SLOTable, settings: OperatorSettings, *, overlay: bool = True
 ) -> list[Manifest]:
-    """ConfigMaps, Deployment and Service of one service's gateway (``pools`` non-empty).
+    """ConfigMaps, Deployment and Service of one service's gateway (``pools`` non-empty),
+    and per the tokenizer pool's ``gateway`` (:mod:`.gateway_ha`) a PodDisruptionBudget
+    (more than one pod), a HorizontalPodAutoscaler and an HTTPRoute.
 
     The pod gets the operator-wide pull secrets and the ``gatewayPod`` overlay of the
     pool the tokenizer comes from (``overlay=False``: without it); raises
@@ -141,13 +156,35 @@ def build_gateway_children(
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
         **http_probes("http", process, startup_s=60),
     }
+    lifecycle, grace_s = rollout.termination(rollout.GATEWAY_DRAIN_S)
+    container["lifecycle"] = lifecycle
+    ha = tokenizer_pool(pools).spec.gateway
+    pod_spec = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "affinity": anti_affinity(gateway_selector(service)),
+        "terminationGracePeriodSeconds": grace_s,
+        "containers": [container],
+        "volumes": volumes,
+        **({"initContainers": tokenizer.init_containers} if tokenizer.init_containers else {}),
+    }
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": gateway_selector(service)},
+        "strategy": gateway_strategy(),
+        "progressDeadlineSeconds": rollout.progress_deadline_s(
+            pod_spec, downloads=bool(tokenizer.init_containers)
+        ),
+    }
+    if ha is None or ha.autoscaling is None:
+        # With an HPA the replicas are the HPA's: the operator writes none.
+        deployment_spec["replicas"] = gateway_replicas(ha, settings)
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata(name, namespace, labels, owners),
         "spec": {
-            "replicas": settings.gateway_replicas,
-            "selector": {"matchLabels": gateway_selector(service)},
+            **deployment_spec,
             "template": apply_pod_overlay(
                 {
                     "metadata": {
@@ -155,18 +192,7 @@ def build_gateway_children(
                         # The SLO table is hot-reloaded; only gateway.json changes roll pods.
                         "annotations": {CONFIG_HASH: config_hash(config["data"])},
                     },
-                    "spec": {
-                        "automountServiceAccountToken": False,
-                        "enableServiceLinks": False,
-                        "securityContext": pod_security_context(),
-                        "containers": [container],
-                        "volumes": volumes,
-                        **(
-                            {"initContainers": tokenizer.init_containers}
-                            if tokenizer.init_containers
-                            else {}
-                        ),
-                    },
+                    "spec": pod_spec,
                 },
                 tokenizer_pool(pools).spec.gateway_pod if overlay else None,
                 pull_secrets=settings.child_image_pull_secrets,
@@ -185,4 +211,12 @@ def build_gateway_children(
             ],
         },
     }
-    return [config, build_slo_table_configmap(pools, table), deployment, svc]
+    extras = [
+        build_pdb(metadata(name, namespace, labels, owners), gateway_selector(service), ha,
+                  settings),
+        build_hpa(metadata(name, namespace, labels, owners), name, ha),
+        build_http_route(metadata(name, namespace, labels, owners), name, ha, settings),
+    ]  # fmt: skip
+    return [config, build_slo_table_configmap(pools, table), deployment, svc] + [
+        m for m in extras if m is not None
+    ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flowprefill.contracts import EngineConfig, KVHandoffSettings, KVTransport
@@ -21,7 +22,7 @@ from flowprefill.contracts.processes import (
 
 from ..models import ServingPoolSpec
 from ..settings import OperatorSettings
-from . import nixl
+from . import nixl, rollout
 from .common import (
     CONFIG_HASH,
     SCRATCH_ENV,
@@ -128,20 +129,23 @@ def shm_size_limit(spec: ServingPoolSpec) -> str | None:
 
 
 def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
-    """The pool's container process, from the description ``flowprefill up`` renders too.
-    With nixl, decode also gets ``--block-size`` (prefill's engine.json has the same) and
-    its side-channel port; its ``--model`` is the string prefill's ``served_model`` is."""
+    """The pool's container process, from the description ``flowprefill up`` renders too,
+    with the drain bound of :func:`.rollout.drain_args`. With nixl, decode also gets
+    ``--block-size`` (prefill's engine.json has the same) and its side-channel port; its
+    ``--model`` is the string prefill's ``served_model`` is."""
     kv = spec.kv
     transport = KVTransport.parse(str(kv.transport)) if kv else None
     is_nixl = transport is KVTransport.NIXL
     if spec.role == "prefill":
-        return prefill_process(
+        process = prefill_process(
             IMAGE,
             engine_config_path=ENGINE_CONFIG_PATH,
             port=PREFILL_PORT,
             kv_transport=transport,
             advertise_host=f"$({POD_IP_ENV})",
         )
+        # The server's drain bound, which the pod's grace period is sized around.
+        return dataclasses.replace(process, args=(*process.args, *rollout.drain_args(spec)))
     return decode_process(
         IMAGE,
         model_path=model_dir(spec.model),
@@ -150,7 +154,11 @@ def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
         kv_path=kv.mount_path if kv and not is_nixl else None,
         cpu=spec.resources.gpus_per_pod == 0,
         tensor_parallel_size=spec.vllm_settings.tensor_parallel_size,
-        extra_args=[*nixl.decode_block_size_args(spec), *spec.vllm_args],
+        extra_args=[
+            *nixl.decode_block_size_args(spec),
+            *rollout.drain_args(spec),  # vLLM's default (0) aborts every stream on SIGTERM
+            *spec.vllm_args,
+        ],
         side_channel_port=nixl.side_channel_port(spec) if is_nixl else None,
     )
 
@@ -262,6 +270,8 @@ def build_deployment(
         "securityContext": container_security_context(add=nixl.capabilities_add(spec)),
         **http_probes("http", process, startup_s=startup_s),
     }
+    lifecycle, grace_s = rollout.pool_termination(spec)
+    container["lifecycle"] = lifecycle
     if resources := _resources(spec):
         container["resources"] = resources
     pod_spec: dict[str, Any] = {
@@ -270,7 +280,7 @@ def build_deployment(
         "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": grace_s,
     }
     if model.init_containers:
         pod_spec["initContainers"] = model.init_containers
@@ -289,6 +299,10 @@ def build_deployment(
         "spec": {
             "replicas": spec.replicas,  # the pool's /scale is the one owner of this number
             "selector": {"matchLabels": pool_selector(pool.name)},
+            "strategy": rollout.strategy(spec),
+            "progressDeadlineSeconds": rollout.progress_deadline_s(
+                pod_spec, downloads=bool(model.init_containers)
+            ),
             "template": apply_pod_overlay(
                 {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec},
                 spec.pod if overlay else None,

@@ -9,6 +9,7 @@ converges the children to those inputs, and removes them when the service has no
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from .. import MANAGED_BY
@@ -22,8 +23,15 @@ from ..builders import (
     slo_table_name,
 )
 from ..builders.overlay import OverlayConflict
+from ..kube import ApiError
 from ..status import Problem
 from .common import Context, apply_children
+
+log = logging.getLogger(__name__)
+
+OPTIONAL_KINDS = ("PodDisruptionBudget", "HorizontalPodAutoscaler", "HTTPRoute")
+"""Gateway children that exist only as the tokenizer pool's ``gateway`` asks
+(:mod:`..builders.gateway_ha`); all named :func:`gateway_name`."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,7 @@ def sync_gateway(
                 ("ConfigMap", slo_table_name(service)),
             ):
                 ctx.kube.delete_managed(kind, namespace, child, MANAGED_BY)
+            remove_optional(ctx, namespace, service, keep=set())
             return []
         selectors = [p.spec.slo_class_selector for p in pools]
         table = build_slo_table(classes.views, selectors, classes.verdicts, classes.secrets)
@@ -66,4 +75,23 @@ def sync_gateway(
                 for m in build_gateway_children(pools, table, ctx.settings, overlay=False)
                 if m["kind"] != "Deployment"
             ]
-        return apply_children(ctx.kube, children) + problems
+        problems = apply_children(ctx.kube, children) + problems
+        remove_optional(ctx, namespace, service, keep={m["kind"] for m in children})
+        return problems
+
+
+def remove_optional(ctx: Context, namespace: str, service: str, keep: set[str]) -> None:
+    """Delete the gateway's optional children (:data:`OPTIONAL_KINDS`) not in ``keep``: a
+    PDB once one pod is asked for, an HPA once autoscaling is off, a route once unset.
+    Only ours (the managed-by label). A refusal other than a transient one (a cluster
+    without the Gateway API answers 404, an operator not granted the kind 403) is logged:
+    what was never created cannot be left behind."""
+    for kind in OPTIONAL_KINDS:
+        if kind in keep:
+            continue
+        try:
+            ctx.kube.delete_managed(kind, namespace, gateway_name(service), MANAGED_BY)
+        except ApiError as e:
+            if e.transient:
+                raise
+            log.debug("not removing %s %s/%s: %s", kind, namespace, gateway_name(service), e)

@@ -32,6 +32,7 @@ from ..builders.overlay import OverlayConflict
 from ..builders.pool import engine_configmap_name
 from ..kube import ApiError
 from ..models import ServingPoolSpec, ServingPoolStatus
+from ..models.gateway import reserved_pool_name
 from ..status import Observed, Problem, fold_status, pod_problems
 from .common import (
     POOLS,
@@ -122,8 +123,10 @@ def reconcile_pool(
         selector = selector_string(pool_selector(name))
         try:
             spec = ServingPoolSpec.model_validate(raw_spec)
-        except ValidationError as e:
-            message = validation_message(e)
+            if reserved := reserved_pool_name(name):  # the CRD's rule on the name
+                raise ValueError(reserved)
+        except ValueError as e:  # pydantic's ValidationError is one
+            message = validation_message(e) if isinstance(e, ValidationError) else str(e)
             replicas = raw_spec.get("replicas")
             observed = Observed(
                 generation=generation,

@@ -11,9 +11,11 @@ from flowprefill.contracts.names import DType
 
 from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscaling, ReplicasOwner
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
+from .gateway import GatewaySpec
 from .kvhandoff import KVHandoff, Transport, nixl_cel
 from .modelsource import ModelSource
 from .podoverlay import PodOverlay, Toleration  # Toleration lives there (the overlay's too)
+from .rollout import RolloutSpec
 
 MAX_GPUS_PER_POD = 16
 """Most GPUs one pod asks for (no common node has more)."""
@@ -331,6 +333,16 @@ class ServingPoolSpec(CRModel):
         default=None,
         description="Escape hatch onto this pool's pods: pull secrets, service account, "
         "placement, metadata, env, extra volumes, security contexts (docs/pods.md).",
+    )
+    rollout: RolloutSpec | None = Field(
+        default=None,
+        description="Update strategy and drain bound of the pool's pods; unset: no surge "
+        "beyond the pool's GPUs (maxSurge 0, maxUnavailable 1) on GPU pools (docs/pods.md).",
+    )
+    gateway: GatewaySpec | None = Field(
+        default=None,
+        description="The service's gateway (replicas, HPA, HTTPRoute), read from one pool "
+        "only, as gatewayPod is.",
     )
     gateway_pod: PodOverlay | None = Field(
         default=None,
