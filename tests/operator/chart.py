@@ -40,6 +40,12 @@ def render(*args: str) -> list[Manifest]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+def is_hook(doc: Manifest) -> bool:
+    """A Helm hook (``helm.sh/hook``): created for an install/delete step, not a release
+    object (``helm template`` renders hooks with everything else)."""
+    return "helm.sh/hook" in (doc["metadata"].get("annotations") or {})
+
+
 def operator_roles(docs: list[Manifest]) -> list[Manifest]:
     """The Roles and ClusterRoles bound (by a RoleBinding or ClusterRoleBinding in
     ``docs``) to the operator's ServiceAccount: what the operator may do, as opposed to

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.operator.chart import CHART, RELEASE_NAMESPACE, helm_binary, operator_roles, render
+from tests.operator.chart import (
+    CHART,
+    RELEASE_NAMESPACE,
+    helm_binary,
+    is_hook,
+    operator_roles,
+    render,
+)
 
 Manifest = dict[str, Any]
 AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
@@ -198,3 +205,32 @@ def test_users_roles_aggregate_into_view_edit_admin(scope: str) -> None:
 
 def test_users_roles_can_be_turned_off() -> None:
     assert _user_roles(render("--set", "rbac.aggregateToUserRoles=false")) == {}
+
+
+# ------------------------------------------------------------------------ uninstall hook
+
+
+def test_the_uninstall_hook_may_only_stop_the_operator() -> None:
+    """The pre-delete hook (its effect: test_chart_uninstall.py) runs with its own
+    ServiceAccount, whose Role may patch the operator's Deployment by name and list pods in
+    the release namespace, nothing else; its pod passes the restricted standard."""
+    from tests.operator.test_chart_security import restricted_violations
+
+    hooks = [d for d in render() if is_hook(d)]
+    assert {d["kind"] for d in hooks} == {"ServiceAccount", "Role", "RoleBinding", "Job"}
+    for doc in hooks:
+        assert doc["metadata"]["namespace"] == RELEASE_NAMESPACE
+        assert doc["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    (role,) = [d for d in hooks if d["kind"] == "Role"]
+    assert role["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["deployments"],
+         "resourceNames": ["fp-flowprefill"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    ]  # fmt: skip
+    (job,) = [d for d in hooks if d["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    (binding,) = [d for d in hooks if d["kind"] == "RoleBinding"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"] != "fp-flowprefill"
+    assert restricted_violations(pod) == []
+    assert pod["containers"][0]["command"] == ["python", "-m", "flowprefill_operator.stop"]
+    assert not [d for d in render("--set", "uninstallHook.enabled=false") if is_hook(d)]

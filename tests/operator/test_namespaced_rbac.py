@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 import tests.operator.emulator as emulator_module
-from tests.operator.chart import render
+from tests.operator.chart import operator_roles, render
 from tests.operator.conftest import load_docs
 from tests.operator.emulator import ClusterEmulator, EmulatorThread
 from tests.operator.harness import free_port, kube_for, wait_for
@@ -127,7 +127,7 @@ def namespaced(
         # No Hub here: the value an offline cluster sets (the pods' download step reports).
         "--set", "modelSources.check=false",
     )  # fmt: skip
-    rules = {d["metadata"]["namespace"]: d["rules"] for d in docs if d["kind"] == "Role"}
+    rules = {d["metadata"]["namespace"]: d["rules"] for d in operator_roles(docs)}
     assert set(rules) == {WATCHED}
     dep = next(d for d in docs if d["kind"] == "Deployment")
     container = dep["spec"]["template"]["spec"]["containers"][0]
