@@ -234,3 +234,15 @@ def test_the_uninstall_hook_may_only_stop_the_operator() -> None:
     assert restricted_violations(pod) == []
     assert pod["containers"][0]["command"] == ["python", "-m", "flowprefill_operator.stop"]
     assert not [d for d in render("--set", "uninstallHook.enabled=false") if is_hook(d)]
+
+
+@pytest.mark.parametrize(("scope", "hint"), [("namespaced", True), ("cluster", False)])
+def test_notes_say_which_namespaces_are_served(scope: str, hint: bool) -> None:
+    out = subprocess.run(
+        [str(helm_binary()), "install", "fp", str(CHART), "-n", RELEASE_NAMESPACE,
+         "--dry-run=client", "--set", f"watch.scope={scope}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert ("elsewhere are not served" in notes) == hint
