@@ -327,11 +327,18 @@ def test_a_pool_named_like_another_services_gateway_takes_nothing_of_it(
 ) -> None:
     # The emulator has no CEL, as a cluster that admitted the pool under an older CRD.
     ns = "gateway-names"
-    create(cluster, pool("a-gateway", "b", role="decode", resources={"gpusPerPod": 0}), ns)
+    create(cluster, pool("a-gateway", "b", role="decode"), ns)
     create(cluster, pool("b-prefill", "b"), ns)
     create(cluster, pool("a-prefill", "a"), ns)
     expected = {"a-prefill", "b-prefill", "a-gateway", "b-gateway"}
     wait_for(lambda: cluster.names("Deployment", ns) == expected, what="both services' children")
+    time.sleep(3)  # several reconciles (1 s timers): nothing flips the gateway over
+    for kind in ("Deployment", "Service"):
+        labels = cluster.get(kind, ns, "a-gateway")["metadata"]["labels"]
+        assert (labels["flowprefill.io/service"], labels["flowprefill.io/role"]) == ("a", "gateway")
+    # Service b's gateway does not send requests to service a's gateway either.
+    b_config = json.loads(cluster.get("ConfigMap", ns, "b-gateway")["data"]["gateway.json"])
+    assert [e["pool"] for e in b_config["prefill"] + b_config["decode"]] == ["b-prefill"]
     wait_for(lambda: cluster.condition(ns, "a-gateway", "Degraded")[0] == "True", what="refused")
     message = next(
         c["message"]
@@ -339,9 +346,3 @@ def test_a_pool_named_like_another_services_gateway_takes_nothing_of_it(
         if c["type"] == "Degraded"
     )
     assert "reserved" in message
-    time.sleep(3)  # several reconciles (1 s timers): nothing flips the gateway over
-    for kind in ("Deployment", "Service"):
-        labels = cluster.get(kind, ns, "a-gateway")["metadata"]["labels"]
-        assert (labels["flowprefill.io/service"], labels["flowprefill.io/role"]) == ("a", "gateway")
-    b_config = json.loads(cluster.get("ConfigMap", ns, "b-gateway")["data"]["gateway.json"])
-    assert [e["pool"] for e in b_config["prefill"] + b_config["decode"]] == ["b-prefill"]
