@@ -38,12 +38,12 @@ class OperatorSettings(BaseModel):
         default=1,
         ge=1,
         description="Gateway pods per service unless its pool sets gateway.replicas (the "
-        "chart's gateway.replicas); above 1 with a PodDisruptionBudget.",
+        "chart's children.gatewayReplicas); above 1 with a PodDisruptionBudget.",
     )
     gateway_route_parent_refs: tuple[ParentRef, ...] = Field(
         default=(),
         description="parentRefs of the HTTPRoute the operator adds for every service (the "
-        "chart's gateway.httpRoute.parentRefs; JSON in the environment); empty: a route "
+        "chart's children.gatewayRouteParentRefs; JSON in the environment); empty: a route "
         "only for services whose pool sets gateway.httpRoute.parentRefs.",
     )
     cluster_domain: str = Field(default="cluster.local", description="Cluster DNS domain.")

@@ -79,7 +79,7 @@ class GatewayRoute(CRModel):
         default_factory=list,
         max_length=16,
         description="Gateways to attach to; empty: the operator's default "
-        "(the chart's gateway.httpRoute.parentRefs). No route when both are empty.",
+        "(the chart's children.gatewayRouteParentRefs). No route when both are empty.",
     )
     hostnames: list[str] = Field(
         default_factory=list,
@@ -96,7 +96,7 @@ class GatewaySpec(CRModel):
         ge=1,
         le=1024,
         description="Gateway pods; unset: the operator's default (the chart's "
-        "gateway.replicas). With more than one the operator adds a PodDisruptionBudget.",
+        "children.gatewayReplicas). With more than one the operator adds a PodDisruptionBudget.",
     )
     autoscaling: GatewayAutoscaling | None = Field(
         default=None,
