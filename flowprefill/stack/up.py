@@ -53,6 +53,7 @@ from flowprefill.contracts.deployment import (
     PREFILL_SIDE_CHANNEL_PORT,
 )
 from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, MAX_TP_SIZE, max_blocking_arg
+from flowprefill.contracts.nixl import NIXL_PROGRESS_THREAD_ENV
 from flowprefill.contracts.processes import (
     Launcher,
     gateway_process,
@@ -232,6 +233,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="nixl transport: each prefill instance's registered KV buffer (MiB), which holds "
         "prompts until decode has pulled them",
     )
+    p.add_argument(
+        "--nixl-progress-thread",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="nixl transport: run NIXL's progress thread in prefill and decode, as on a GPU "
+        "node (each polls a core without sleeping; off by default on this CPU host)",
+    )
 
 
 @dataclass(frozen=True)
@@ -276,6 +284,7 @@ def plan_stack(
                     advertise_host=LOOPBACK,
                     served_model=str(model_dir),  # decode's --model
                     buffer_mb=args.nixl_buffer_mb,
+                    progress_thread=args.nixl_progress_thread,
                 )
                 if args.kv_transport is KVTransport.NIXL
                 else None,
@@ -312,6 +321,8 @@ def plan_stack(
         decode_eps.append(Endpoint.at("decode", LOOPBACK, port))
         log = run_dir / "logs" / f"decode-{i}.log"
         env = decode_env(run_dir, args.decode_threads)
+        if args.nixl_progress_thread:
+            env[NIXL_PROGRESS_THREAD_ENV] = "1"
         children.append(Child(f"decode-{i}", process, log, env, nice=args.decode_nice))
     gateway_cfg = GatewayConfig(
         service="local",

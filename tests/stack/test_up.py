@@ -244,16 +244,20 @@ def test_nixl_is_the_default_and_every_process_gets_its_own_side_channel(tmp_pat
     ``--port`` + PREFILL_SIDE_CHANNEL_PORT - GATEWAY_PORT + i (in its engine.json, with
     decode's ``--model`` as the served model), decode instance j runs stock vLLM's
     NixlConnector as a consumer on a side channel of its own, with no FlowPrefill
-    connector or environment; no port is used twice."""
+    connector; of our environment only what our vLLM plugin reads on a CPU host (no NIXL
+    progress thread, vLLM's idle spin capped), and prefill runs no progress thread either;
+    no port is used twice."""
     import argparse
 
     from flowprefill.contracts import SLOTable
     from flowprefill.contracts.deployment import (
+        CPU_VLLM_IDLE_SPIN_S,
         DECODE_SIDE_CHANNEL_PORT,
         GATEWAY_PORT,
         PREFILL_SIDE_CHANNEL_PORT,
+        VLLM_IDLE_SPIN_ENV,
     )
-    from flowprefill.contracts.nixl import SIDE_CHANNEL_PORT_ENV
+    from flowprefill.contracts.nixl import NIXL_PROGRESS_THREAD_ENV, SIDE_CHANNEL_PORT_ENV
     from flowprefill.stack.up import add_arguments, plan_stack
 
     parser = argparse.ArgumentParser()
@@ -273,7 +277,9 @@ def test_nixl_is_the_default_and_every_process_gets_its_own_side_channel(tmp_pat
         config = json.loads(decode.args[decode.args.index("--kv-transfer-config") + 1])
         assert config["kv_connector"] == "NixlConnector" and config["kv_role"] == "kv_consumer"
         assert "kv_connector_module_path" not in config
-        assert not any("FLOWPREFILL" in k for k in decode.env)
+        ours = {k: v for k, v in decode.env.items() if "FLOWPREFILL" in k}
+        assert ours == {NIXL_PROGRESS_THREAD_ENV: "0", VLLM_IDLE_SPIN_ENV: CPU_VLLM_IDLE_SPIN_S}
+        assert engine.kv.nixl.progress_thread is False
         assert decode.env[SIDE_CHANNEL_PORT_ENV] == str(
             9000 + DECODE_SIDE_CHANNEL_PORT - GATEWAY_PORT + i
         )
@@ -281,3 +287,23 @@ def test_nixl_is_the_default_and_every_process_gets_its_own_side_channel(tmp_pat
         assert engine.kv.nixl.served_model == decode.args[decode.args.index("--model") + 1]
     ports = [c.process.port for c in children.values()] + sides
     assert len(ports) == len(set(ports)), ports
+
+
+def test_nixl_progress_thread_flag_turns_it_on_in_prefill_and_decode(tmp_path: Path) -> None:
+    """``--nixl-progress-thread``: NIXL's progress threads as on a GPU node, in prefill's
+    engine.json and in decode's environment (read by our vLLM plugin)."""
+    import argparse
+
+    from flowprefill.contracts import SLOTable
+    from flowprefill.contracts.nixl import NIXL_PROGRESS_THREAD_ENV
+    from flowprefill.stack.up import add_arguments, plan_stack
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--nixl-progress-thread"])
+    plan = plan_stack(args, tmp_path / "m", tmp_path / "p.json", SLOTable.paper(), tmp_path)
+    engine = EngineConfig.model_validate_json(plan.files["engine-0.json"])
+    assert engine.kv is not None and engine.kv.nixl is not None
+    assert engine.kv.nixl.progress_thread is True
+    (decode,) = [c for c in plan.children if c.name.startswith("decode")]
+    assert decode.env[NIXL_PROGRESS_THREAD_ENV] == "1"  # over the process's "0"
