@@ -296,19 +296,27 @@ def test_the_budget_hpa_and_route_follow_the_pool_on_a_cluster(
     pdb = wait_for(lambda: cluster.get("PodDisruptionBudget", ns, "m-gateway"), what="PDB")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert cluster.get("Deployment", ns, "m-gateway")["spec"]["replicas"] == 2
-    # Back to one pod: the budget would block every node drain, so it goes.
-    cluster.kube.patch("ServingPool", ns, "m-prefill", {"spec": {"gateway": {"replicas": 1}}})
-    wait_for(
-        lambda: cluster.kube.get("PodDisruptionBudget", ns, "m-gateway") is None, what="PDB gone"
-    )
-    # An HPA replaces the fixed count, and goes with autoscaling.
+    # An HPA takes over the count: turning it on does not drop the gateway to one pod,
+    # and the count it writes is kept.
     auto = {"minReplicas": 2, "maxReplicas": 4}
     cluster.kube.patch("ServingPool", ns, "m-prefill", {"spec": {"gateway": {"autoscaling": auto}}})
     wait_for(lambda: cluster.kube.get("HorizontalPodAutoscaler", ns, "m-gateway"), what="HPA")
+    time.sleep(2)
+    # Still written (a removed field is reset to 1 by the API server's defaulting).
+    assert cluster.get("Deployment", ns, "m-gateway")["spec"].get("replicas") == 2
+    cluster.kube.patch("Deployment", ns, "m-gateway", {"spec": {"replicas": 3}})  # as the HPA
+    time.sleep(3)  # several reconciles (1 s timers)
+    assert cluster.get("Deployment", ns, "m-gateway")["spec"]["replicas"] == 3
     cluster.kube.patch("ServingPool", ns, "m-prefill", {"spec": {"gateway": {"autoscaling": None}}})
     wait_for(
         lambda: cluster.kube.get("HorizontalPodAutoscaler", ns, "m-gateway") is None,
         what="HPA gone",
+    )
+    wait_for(lambda: cluster.get("Deployment", ns, "m-gateway")["spec"]["replicas"] == 2)
+    # Back to one pod: the budget would block every node drain, so it goes.
+    cluster.kube.patch("ServingPool", ns, "m-prefill", {"spec": {"gateway": {"replicas": 1}}})
+    wait_for(
+        lambda: cluster.kube.get("PodDisruptionBudget", ns, "m-gateway") is None, what="PDB gone"
     )
     # A route (the emulator serves HTTPRoutes as a cluster with the Gateway API does),
     # and none once the pool turns it off.

@@ -177,7 +177,8 @@ def build_gateway_children(
         ),
     }
     if ha is None or ha.autoscaling is None:
-        # With an HPA the replicas are the HPA's: the operator writes none.
+        # With an HPA the count is the HPA's: rendered without one, the gateway
+        # controller fills in the live count (controllers/gateway.py: with_hpa_replicas).
         deployment_spec["replicas"] = gateway_replicas(ha, settings)
     deployment = {
         "apiVersion": "apps/v1",

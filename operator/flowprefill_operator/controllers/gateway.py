@@ -22,6 +22,7 @@ from ..builders import (
     gateway_name,
     slo_table_name,
 )
+from ..builders.common import Manifest
 from ..builders.overlay import OverlayConflict
 from ..kube import ApiError
 from ..status import Problem
@@ -75,9 +76,30 @@ def sync_gateway(
                 for m in build_gateway_children(pools, table, ctx.settings, overlay=False)
                 if m["kind"] != "Deployment"
             ]
+        children = with_hpa_replicas(ctx, children)
         problems = apply_children(ctx.kube, children) + problems
         remove_optional(ctx, namespace, service, keep={m["kind"] for m in children})
         return problems
+
+
+def with_hpa_replicas(ctx: Context, children: list[Manifest]) -> list[Manifest]:
+    """With an HPA the gateway Deployment is rendered without ``replicas``; it gets the
+    live count here (the HPA's minimum before it exists), so the apply writes no change.
+    Leaving the field out would make the apply remove the count it wrote before (a
+    three-way merge) and the API server reset it to 1: the gateway would drop to one pod
+    when its HPA is turned on, until the HPA scaled it back."""
+    hpa = next((m for m in children if m["kind"] == "HorizontalPodAutoscaler"), None)
+    out = []
+    for manifest in children:
+        if hpa is not None and manifest["kind"] == "Deployment":
+            meta = manifest["metadata"]
+            live = ctx.kube.get("Deployment", meta["namespace"], meta["name"])
+            replicas = (live or {}).get("spec", {}).get("replicas")
+            if not isinstance(replicas, int):
+                replicas = hpa["spec"]["minReplicas"]
+            manifest = {**manifest, "spec": {"replicas": replicas, **manifest["spec"]}}
+        out.append(manifest)
+    return out
 
 
 def remove_optional(ctx: Context, namespace: str, service: str, keep: set[str]) -> None:
