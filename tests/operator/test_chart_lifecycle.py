@@ -246,3 +246,32 @@ def test_notes_say_which_namespaces_are_served(scope: str, hint: bool) -> None:
     assert out.returncode == 0, out.stderr
     notes = out.stdout.split("NOTES:", 1)[1]
     assert ("elsewhere are not served" in notes) == hint
+
+
+# ---------------------------------------------------------------- children's route default
+
+
+def test_route_parent_refs_reach_the_operator_settings() -> None:
+    """children.gatewayRouteParentRefs is read back through the operator's own settings
+    model (FLOWPREFILL_OPERATOR_GATEWAY_ROUTE_PARENT_REFS, JSON); unset, no variable."""
+    from flowprefill_operator.settings import OperatorSettings
+
+    def env(*args: str) -> dict[str, str]:
+        dep = next(d for d in render(*args) if d["kind"] == "Deployment")
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+    assert "FLOWPREFILL_OPERATOR_GATEWAY_ROUTE_PARENT_REFS" not in env()
+    refs = env(
+        "--set", "children.gatewayRouteParentRefs[0].name=public",
+        "--set", "children.gatewayRouteParentRefs[0].namespace=gateways",
+        "--set", "children.gatewayRouteParentRefs[0].sectionName=https",
+    )  # fmt: skip
+    (ref,) = OperatorSettings.from_env(refs).gateway_route_parent_refs
+    assert (ref.name, ref.namespace, ref.section_name) == ("public", "gateways", "https")
+    typo = subprocess.run(
+        [str(helm_binary()), "template", "fp", str(CHART),
+         "--set", "children.gatewayRouteParentRefs[0].nam=public"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert typo.returncode != 0
