@@ -75,6 +75,9 @@ class Health:
 
     started: str
     last_reconcile: str = ""
+    handled: bool = False
+    """A pool handler or timer ran in this process (kopf then holds its finalizer on the
+    pools); a peering standby that never took over stays False."""
 
     def reconciled(self) -> None:
         self.last_reconcile = now_rfc3339()

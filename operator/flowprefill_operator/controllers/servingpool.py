@@ -246,6 +246,7 @@ def _inputs(
 def pool_changed(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs: Any) -> None:
     """Created, changed, or found on startup: reconcile now; API errors retry with backoff,
     an invalid spec stops retrying this generation (its status says why)."""
+    health(memo).handled = True
     inputs = _inputs(body, kwargs)
     result = retrying(retry, lambda: reconcile_pool(context(memo), *inputs))
     post(body, result.events)
@@ -262,6 +263,7 @@ def refresh_pool(
     **kwargs: Any,
 ) -> None:
     """Re-apply the children (repairs drift) and fold their state into status."""
+    health(memo).handled = True
     if body.get("metadata", {}).get("deletionTimestamp"):
         return
     inputs = _inputs(body, kwargs)
@@ -323,7 +325,13 @@ def release_finalizers(
     **kwargs: Any,
 ) -> None:
     """On a graceful exit (kopf runs cleanup after its watches and timers stopped, so
-    nothing puts it back): release kopf's finalizer from every pool served."""
+    nothing puts it back): release kopf's finalizer from every pool served, unless this
+    process never handled one (a peering standby: the active peer still needs it). A
+    restart so writes each pool twice (released, then put back on resume)."""
+    if not health(memo).handled:
+        # A standby that never took over: the finalizers are the active peer's to keep.
+        logger.info("no pool was handled by this process: no finalizer to release")
+        return
     index: ServedIndex = kwargs["served_pools"]
     ctx, finalizer = context(memo), settings.persistence.finalizer
     released = 0
