@@ -7,8 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from flowprefill_operator.controllers.common import Context, KeyedLocks, apply_children
+from flowprefill_operator.controllers.servingpool import release_finalizer
+from flowprefill_operator.kube import ApiError, NotOwned
+from flowprefill_operator.settings import OperatorSettings
+
 from tests.operator.cluster import Cluster, create, pool
 from tests.operator.harness import wait_for
+
+FINALIZER = "flowprefill.io/finalizer"
 
 
 def conditions(c: Cluster, ns: str, name: str) -> dict[str, dict[str, Any]]:
@@ -90,3 +98,68 @@ def test_invalid_update_keeps_ready_false_and_the_old_generation(cluster: Cluste
     )
     image = cluster.get("Deployment", ns, "m-prefill")["spec"]["template"]["spec"]["containers"][0]
     assert image["image"] == "other:2"
+
+
+class FakeKube:
+    """apply() raises what it is told per object name; patch() records."""
+
+    def __init__(self, errors: dict[str, Exception], live: dict[str, Any] | None = None) -> None:
+        self.errors = errors
+        self.live = live
+        self.applied: list[str] = []
+        self.patches: list[dict[str, Any]] = []
+
+    def apply(self, manifest: dict[str, Any]) -> str:
+        name = manifest["metadata"]["name"]
+        if name in self.errors:
+            raise self.errors[name]
+        self.applied.append(name)
+        return "created"
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.live
+
+    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.patches.append(patch)
+
+
+def manifest(name: str) -> dict[str, Any]:
+    return {"kind": "ConfigMap", "metadata": {"name": name, "namespace": "ns"}}
+
+
+def test_refusals_become_problems_naming_the_object() -> None:
+    kube = FakeKube(
+        {
+            "a": ApiError(403, "Forbidden", "no"),
+            "b": ApiError(422, "Invalid", "bad"),
+            "c": ApiError(400, "BadRequest", "odd"),
+            "d": NotOwned("ConfigMap", "ns", "d"),
+        }
+    )
+    names = ["a", "b", "ok", "c", "d"]
+    problems = apply_children(kube, [manifest(n) for n in names])  # type: ignore[arg-type]
+    assert kube.applied == ["ok"]  # the others are still applied
+    assert [(p.reason, p.not_applied) for p in problems] == [
+        ("Forbidden", True),
+        ("Invalid", True),
+        ("ApplyFailed", True),
+        ("NotOwned", True),
+    ]
+    assert problems[0].message == "ConfigMap ns/a: 403 Forbidden: no"
+    assert "ConfigMap ns/d exists and is not managed by the operator" in problems[3].message
+
+
+def test_transient_errors_still_retry_the_reconcile() -> None:
+    kube = FakeKube({"a": ApiError(503, "ServiceUnavailable", "later")})
+    with pytest.raises(ApiError):
+        apply_children(kube, [manifest("a")])  # type: ignore[arg-type]
+
+
+def test_release_keeps_other_finalizers() -> None:
+    live = {"metadata": {"finalizers": ["x.io/keep", FINALIZER], "resourceVersion": "7"}}
+    kube = FakeKube({}, live)
+    ctx = Context(kube, OperatorSettings(), KeyedLocks())  # type: ignore[arg-type]
+    assert release_finalizer(ctx, "ns", "p", FINALIZER)
+    assert kube.patches == [{"metadata": {"finalizers": ["x.io/keep"], "resourceVersion": "7"}}]
+    kube.live = {"metadata": {"finalizers": ["x.io/keep"], "resourceVersion": "8"}}
+    assert not release_finalizer(ctx, "ns", "p", FINALIZER)  # nothing to do
