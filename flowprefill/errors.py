@@ -52,6 +52,11 @@ class KVHandoffError(FlowPrefillError):
     """Base class: a KV hand-off could not be written, found, read or used."""
 
 
+class KVBudgetExceededError(KVHandoffError):
+    """The KV a prefill instance holds for decode is at its budget: this prompt gets no
+    hand-off, and decode recomputes it (docs/kv.md, "KV budget")."""
+
+
 class KVNotFoundError(KVHandoffError, LookupError):
     """No hand-off is stored under the given id (never written, expired or consumed)."""
 

@@ -131,6 +131,11 @@ class NixlSettings(BaseModel):
     )
 
 
+DEFAULT_KV_BUDGET_MB = 8192.0
+"""Hand-off files a prefill instance holds for decode by default: 8 GiB, about 64K tokens
+of Llama-3-8B (128 KiB a token) — a few seconds of a GPU's prefill output if decode stalls."""
+
+
 class KVHandoffSettings(BaseModel):
     """Where a prefill instance writes KV hand-offs for decode (docs/kv.md)."""
 
@@ -156,6 +161,13 @@ class KVHandoffSettings(BaseModel):
     )
     max_age_s: float = Field(
         600.0, gt=0, description="Hand-offs no decode consumed are swept after this long."
+    )
+    budget_mb: float = Field(
+        DEFAULT_KV_BUDGET_MB,
+        gt=0,
+        description="shared_dir and http: the most hand-off files the directory holds (MiB); "
+        "a prompt that would go past it gets no hand-off and decode recomputes it. nixl: "
+        "the budget is the registered buffer (nixl.buffer_mb).",
     )
 
     @property

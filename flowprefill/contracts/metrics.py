@@ -58,6 +58,15 @@ PREFILL_PARKED_BUDGET_BYTES: Final = "flowprefill_prefill_parked_memory_budget_b
 PREFILL_PREEMPTIONS_DECLINED: Final = "flowprefill_prefill_preemptions_declined"
 """Counter: scheduling rounds in which a more urgent entry did not preempt the running
 task because parking it would have exceeded the parked-memory budget."""
+PREFILL_KV_HELD_BYTES: Final = "flowprefill_prefill_kv_held_bytes"
+"""Gauge: bytes of prompt KV the instance holds for decode (hand-off files in its
+directory, or leased blocks of its NIXL buffer, all ranks)."""
+PREFILL_KV_BUDGET_BYTES: Final = "flowprefill_prefill_kv_budget_bytes"
+"""Gauge: the most it may hold (``kv.budget_mb``, or the NIXL buffer of all ranks)."""
+PREFILL_KV_REFUSED: Final = "flowprefill_prefill_kv_handoffs_refused"
+"""Counter by reason (``budget``, ``error``): finished prompts that got no KV hand-off, so
+decode recomputes them."""
+KV_REFUSED_REASON_LABEL: Final = "reason"
 
 # Operator (flowprefill_operator): the autoscaler's decisions.
 OPERATOR_AUTOSCALER_DESIRED_REPLICAS: Final = "flowprefill_operator_autoscaler_desired_replicas"

@@ -130,6 +130,18 @@ class SharedDirTransport:
     def discard(self, handoff: HandoffKey) -> None:
         return  # the consumer keeps no copy: the directory is the producer's
 
+    def held_bytes(self) -> int:
+        """Bytes of the hand-offs (and files being written) in the directory now."""
+        total = 0
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.endswith(SUFFIX) or entry.name.endswith(".tmp"):
+                    try:
+                        total += entry.stat().st_size
+                    except FileNotFoundError:  # consumed meanwhile
+                        continue
+        return total
+
     def sweep(self, max_age_s: float, now_s: float | None = None) -> int:
         """Delete hand-offs older than ``max_age_s`` (by mtime), and temp files as old (a
         writer killed mid-write leaves one: its ``finally`` never ran); returns how many."""

@@ -7,10 +7,16 @@ exposes it at ``/metrics``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flowprefill.contracts.metrics import (
+    KV_REFUSED_REASON_LABEL,
     OUTCOME_LABEL,
+    PREFILL_KV_BUDGET_BYTES,
+    PREFILL_KV_HELD_BYTES,
+    PREFILL_KV_REFUSED,
     PREFILL_PARKED_BUDGET_BYTES,
     PREFILL_PARKED_BYTES,
     PREFILL_PREEMPTIONS_DECLINED,
@@ -110,3 +116,25 @@ class EngineMetrics:
             [SLO_CLASS_LABEL, OUTCOME_LABEL],
             registry=r,
         )
+        self.kv_held_bytes = Gauge(
+            PREFILL_KV_HELD_BYTES,
+            "Bytes of prompt KV held for decode (hand-off files, or leased NIXL blocks).",
+            registry=r,
+        )
+        self.kv_budget_bytes = Gauge(
+            PREFILL_KV_BUDGET_BYTES,
+            "The most prompt KV the instance holds for decode (0: no hand-off).",
+            registry=r,
+        )
+        self.kv_refused = Counter(
+            PREFILL_KV_REFUSED,
+            "Finished prompts that got no KV hand-off (decode recomputes them), by reason: "
+            "budget (the KV held for decode is at its budget) or error.",
+            [KV_REFUSED_REASON_LABEL],
+            registry=r,
+        )
+
+    def watch_kv(self, held_bytes: Callable[[], float], budget_bytes: float) -> None:
+        """Report the KV held for decode as ``held_bytes()`` reads at each scrape."""
+        self.kv_held_bytes.set_function(held_bytes)
+        self.kv_budget_bytes.set(budget_bytes)

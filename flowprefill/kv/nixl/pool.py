@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
-from flowprefill.errors import KVHandoffError
+from flowprefill.errors import KVBudgetExceededError, KVHandoffError
 from flowprefill.kv.nixl.layout import PageLayout
 
 
-class PoolExhaustedError(KVHandoffError):
+class PoolExhaustedError(KVBudgetExceededError):
     """Not enough free blocks for a prompt's KV: decode recomputes it instead."""
 
 
@@ -68,6 +68,11 @@ class BlockPool:
     def free_blocks(self) -> int:
         with self._lock:
             return len(self._free)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the blocks allocated now (every layer's page of each)."""
+        return (self.num_blocks - self.free_blocks) * self.num_layers * self.layout.block_bytes
 
     def region_addresses(self) -> list[int]:
         """Base address of each layer's region, in layer order."""

@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         if config.kv is not None and config.kv.transport is KVTransport.NIXL:
             nixl = nixl_handoff(config, args.host, backend, model_config)
             closing.callback(nixl.close)
+            engine.metrics.watch_kv(nixl.held_bytes, nixl.budget_bytes)
             app = create_app(engine, kv_sink=nixl)
             add_discard_route(app, nixl.discard)
             add_pd_route(
@@ -177,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             kv_sink = kv_handoff(config.kv, args.host, args.kv_port, model_config)
+            if kv_sink is not None and kv_sink.budget_bytes is not None:
+                engine.metrics.watch_kv(kv_sink.held_bytes, kv_sink.budget_bytes)
             # The gateway deletes hand-offs decode will not load through the main port
             # (both transports); decode reads (http) on the KV port alone.
             kv_store = kv_sink.transport if kv_sink is not None else None
@@ -267,7 +270,13 @@ def kv_handoff(
                 source,
                 KV_ADVERTISE_URL_ENV,
             )
-    sink = directory_sink(kv.resolved_dir, model_config, max_age_s=kv.max_age_s, source=source)
+    sink = directory_sink(
+        kv.resolved_dir,
+        model_config,
+        max_age_s=kv.max_age_s,
+        source=source,
+        budget_bytes=int(kv.budget_mb * 2**20),
+    )
     if source is not None:
         log.info("KV hand-offs in %s, served to decode as %s", sink.transport.root, source)
     else:

@@ -48,6 +48,15 @@ class NixlSink:
     def discard(self, request_id: str) -> bool:
         return self.producer.discard(request_id)
 
+    @property
+    def budget_bytes(self) -> int:
+        """The registered buffers of every rank: the KV budget of the ``nixl`` transport."""
+        return self.producer.pool.nbytes * self.producer.tp_size
+
+    def held_bytes(self) -> int:
+        """Leased blocks, every rank (ranks hold the same blocks of their own heads)."""
+        return self.producer.pool.held_bytes * self.producer.tp_size
+
     def close(self) -> None:
         self.producer.close()
 

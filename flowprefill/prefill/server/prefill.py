@@ -49,6 +49,7 @@ from flowprefill.contracts.prefill_api import (
     PrefillRequest,
     PrefillResponse,
 )
+from flowprefill.errors import KVBudgetExceededError
 from flowprefill.kv import SharedDirTransport
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.server.kv_http import add_delete_route, add_read_refusal
@@ -118,8 +119,13 @@ def create_app(
                 params: dict[str, Any] | None = await asyncio.to_thread(
                     kv_sink, body.request_id, body.prompt_token_ids, res.output
                 )
-            except Exception:
+            except KVBudgetExceededError as e:
                 # The first token is still good; decode will recompute the prompt.
+                engine.metrics.kv_refused.labels("budget").inc()
+                log.warning("no KV hand-off for %s (%s); decode will recompute", body.request_id, e)
+                return None
+            except Exception:
+                engine.metrics.kv_refused.labels("error").inc()
                 log.exception("KV hand-off of %s failed; decode will recompute", body.request_id)
                 return None
             log.debug(

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from flowprefill.errors import KVHandoffError
+from flowprefill.errors import KVBudgetExceededError, KVHandoffError
 from flowprefill.kv.nixl.layout import PageLayout
 from flowprefill.kv.nixl.pool import BlockPool, PoolExhaustedError
 
@@ -38,8 +38,18 @@ def test_exhaustion_raises_and_takes_nothing() -> None:
         pool.allocate(2)
     assert pool.free_blocks == 1
     assert pool.allocate(1) == [3]
-    assert isinstance(PoolExhaustedError("x"), KVHandoffError)
+    # the budget outcome of every transport: no hand-off, decode recomputes
+    assert isinstance(PoolExhaustedError("x"), KVBudgetExceededError)
     assert sorted(taken) == [0, 1, 2]
+
+
+def test_held_bytes_counts_allocated_blocks_of_every_layer() -> None:
+    pool = BlockPool(LAYOUT, num_layers=3, num_blocks=4)
+    assert pool.held_bytes == 0
+    taken = pool.allocate(3)
+    assert pool.held_bytes == 3 * 3 * LAYOUT.block_bytes == pool.nbytes * 3 // 4
+    pool.release(taken[:1])
+    assert pool.held_bytes == 2 * 3 * LAYOUT.block_bytes
 
 
 def test_released_blocks_are_reused() -> None:

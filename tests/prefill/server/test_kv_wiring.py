@@ -13,6 +13,7 @@ import torch
 
 from flowprefill.contracts import EngineConfig
 from flowprefill.contracts.deployment import PREFILL_KV_PORT
+from flowprefill.contracts.engine import DEFAULT_KV_BUDGET_MB
 from flowprefill.models import load_model, named_model_dir
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
@@ -45,6 +46,7 @@ def test_handoffs_are_written_and_deletable_through_the_server(
     args = _args(*argv)
     sink = kv_handoff(resolve_config(args).kv, args.host, args.kv_port, model.config)
     assert sink is not None and sink.transport.root == tmp_path / "kv"
+    assert sink.budget_bytes == int(DEFAULT_KV_BUDGET_MB * 2**20)  # engine.json's kv.budget_mb
     with PreemptibleExecutor(model, granularity="operator") as executor:
         engine = PrefillEngine(executor, TTFTPredictor.linear(1e-5))
         app = create_app(engine, kv_sink=sink, kv_store=sink.transport, kv_url=sink.source)
