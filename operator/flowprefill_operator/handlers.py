@@ -18,8 +18,9 @@ import kopf
 from . import GROUP
 from .attainment import AttainmentTracker
 from .controllers import autoscaler, indexes, scraper, servingpool, sloclass  # noqa: F401
-from .controllers.autoscaler import ScalerRounds
+from .controllers.autoscaler import Histories, ScalerRounds
 from .controllers.common import SETTINGS, Context, Health, KeyedLocks, health, now_rfc3339
+from .controllers.scraper import LatestScrapes
 from .controllers.sloclass import ClassSync
 from .kube import Kube, load_client
 from .metrics import OperatorMetrics
@@ -55,6 +56,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.class_sync = ClassSync()
     memo.attainment = AttainmentTracker(SETTINGS.attainment_window_s)
     memo.scaler_rounds = ScalerRounds()
+    memo.latest_scrapes = LatestScrapes()
+    memo.autoscaler_histories = Histories()
     memo.operator_metrics = OperatorMetrics()
     memo.operator_metrics.serve(SETTINGS.metrics_port)
     memo.health = Health(started=now_rfc3339())

@@ -259,6 +259,80 @@ def test_external_owner_is_left_alone(cluster: Cluster, gateway: FakeGateway) ->
     assert "ScaledUp" not in cluster.event_reasons(ns, "m-prefill")
 
 
+def restart_operator(c: Cluster) -> float:
+    """A new operator process against the same cluster state (what a restart, or a standby
+    taking over, starts from: nothing in memory); returns when it is up (monotonic)."""
+    c.operator.stop()
+    c.operator.start()
+    return time.monotonic()
+
+
+def history(c: Cluster, ns: str, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = autoscaler_status(c, ns, name).get("history") or {}
+    return found
+
+
+def test_a_restart_keeps_the_idle_window_it_had_seen(
+    cluster: Cluster, gateway: FakeGateway
+) -> None:
+    """Idle means a whole long window (60 s) without requests. The operator restarts 40 s
+    into it: the pool scales down once the window is complete, not a full window after
+    the restart (which a history kept only in memory would need)."""
+    ns = "as-restart-idle"
+    p = autoscaled("m-prefill", "m", minReplicas=1)
+    p["spec"]["replicas"] = 2
+    start(cluster, ns, gateway, "m", p)  # the first decision: a scrape after the baseline
+    assert (
+        "long window has not been observed" in autoscaler_status(cluster, ns, "m-prefill")["reason"]
+    )
+    first = min(history(cluster, ns, "m-prefill")["times"])
+    time.sleep(40)
+    assert replicas(cluster, ns, "m-prefill") == 2
+    restarted = restart_operator(cluster)
+    wait_for(lambda: replicas(cluster, ns, "m-prefill") == 1, 60, "the idle scale-down")
+    took_s = time.monotonic() - restarted
+    # About 20 s of the window were left; a window started again would take 60.
+    assert took_s < 45, f"scaled down {took_s:.0f} s after the restart"
+    times = history(cluster, ns, "m-prefill")["times"]
+    assert min(times) <= first + 1  # the history from before the restart is still there
+
+
+def test_traffic_while_the_operator_was_down_counts(cluster: Cluster, gateway: FakeGateway) -> None:
+    """Misses served while no operator scraped (a restart, a fail-over) are counted from
+    the cursor in status, not swallowed by a fresh baseline."""
+    ns = "as-restart-gap"
+    start(cluster, ns, gateway, "m", autoscaled("m-prefill", "m", maxStepUp=1))
+    pod = "m-gateway-fake"
+    wait_for(lambda: pod in history(cluster, ns, "m-prefill").get("cursor", {}), 30, "cursor")
+    cluster.operator.stop()
+    gateway.add("chat", met=10, missed=90)
+    cluster.operator.start()
+    wait_for(lambda: replicas(cluster, ns, "m-prefill") == 2, 30, "scaled up on the gap's misses")
+    assert autoscaler_status(cluster, ns, "m-prefill")["driver"] == "chat"
+
+
+def test_a_cooldown_still_holds_after_a_restart(cluster: Cluster, gateway: FakeGateway) -> None:
+    ns = "as-restart-cooldown"
+    start(
+        cluster,
+        ns,
+        gateway,
+        "m",
+        autoscaled("m-prefill", "m", scaleUpCooldownSeconds=3600, maxStepUp=1),
+    )
+    gateway.add("chat", met=10, missed=90)
+    wait_for(lambda: replicas(cluster, ns, "m-prefill") == 2, 30, "one step up")
+    restart_operator(cluster)
+    gateway.add("chat", missed=100)
+    wait_for(
+        lambda: "cool" in autoscaler_status(cluster, ns, "m-prefill").get("reason", ""),
+        30,
+        "a decision after the restart held by the cool-down",
+    )
+    time.sleep(2.5)
+    assert replicas(cluster, ns, "m-prefill") == 2
+
+
 def events(c: Cluster, ns: str, name: str) -> list[str]:
     return [
         e.get("reason", "")

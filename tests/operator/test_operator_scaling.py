@@ -1,12 +1,19 @@
 """Pure shaping of the autoscaler's inputs: CRD block -> settings, status <-> cool-down
-memory, pods -> observation, windows -> class and TPOT signals, decision -> status."""
+memory, pods -> observation, windows -> class and TPOT signals, decision -> status, and
+the windows' history (memory <-> status)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from flowprefill_operator.models.autoscaling import AutoscalerStatus, Autoscaling
+from flowprefill_operator.controllers.autoscaler import Histories, history_due
+from flowprefill_operator.history import HISTORY_POINTS, HistorySettings, WindowHistory
+from flowprefill_operator.models.autoscaling import (
+    AutoscalerHistory,
+    AutoscalerStatus,
+    Autoscaling,
+)
 from flowprefill_operator.scaling import (
     ServedClass,
     class_signals,
@@ -115,3 +122,132 @@ def test_status_records_the_decision_and_only_real_scale_times() -> None:
 def test_crd_defaults_are_the_policys() -> None:
     ours = scaler_settings(Autoscaling.model_validate({"minReplicas": 1, "maxReplicas": 5}))
     assert ours == ScalerSettings(min_replicas=1, max_replicas=5)
+
+
+# The windows' history (flowprefill_operator.history): kept in status so that a restart or
+# a fail-over resumes it.
+
+PREFILL_HISTORY = HistorySettings.of(30, 600, "prefill")  # memory: 3 s; status: 10 s
+
+
+def counters(met: float, missed: float = 0.0, work: float = 0.0) -> dict[str, dict[str, float]]:
+    return {"chat": {"met": met, "missed": missed, "prefill_work_s": work, "shed": 1.0}}
+
+
+def test_history_counts_increases_with_resets_and_new_pods() -> None:
+    h = WindowHistory(PREFILL_HISTORY)
+    h.advance(NOW, {"gw-a": counters(100)})  # a baseline: totals before are not traffic
+    assert h.increases(600) == ({}, 0.0)
+    h.advance(NOW + 10, {"gw-a": counters(110, 5)})
+    h.advance(NOW + 20, {"gw-a": counters(3), "gw-b": counters(7)})  # a restarted, b new
+    long, span = h.increases(600)
+    assert span == 20 and long == {"chat": {"met": 20.0, "missed": 5.0}}  # shed is not read
+    short, span = h.increases(10)
+    assert span == 10 and short == {"chat": {"met": 10.0}}
+
+
+def test_decode_history_keeps_only_the_tpot_histogram() -> None:
+    h = WindowHistory(HistorySettings.of(30, 600, "decode"))
+    h.advance(NOW, {"gw": {"chat": {"met": 1.0, "tpot_le_0.05": 1.0, "tpot_le_+Inf": 1.0}}})
+    h.advance(NOW + 5, {"gw": {"chat": {"met": 9.0, "tpot_le_0.05": 4.0, "tpot_le_+Inf": 6.0}}})
+    assert h.increases(600)[0] == {"chat": {"tpot_le_0.05": 3.0, "tpot_le_+Inf": 5.0}}
+
+
+def test_history_round_trips_through_status_compact_and_bounded() -> None:
+    h = WindowHistory(PREFILL_HISTORY)
+    for i in range(0, 1200):  # a scrape a second for twice the long window
+        h.advance(NOW + i, {"gw": counters(i * 2, i // 10, i * 0.5)})
+    wire = h.wire()
+    assert wire is not None
+    assert len(wire.times) <= HISTORY_POINTS + 2 and wire.times[-1] == NOW + 1199
+    assert wire.times[0] <= NOW + 1199 - 600  # the baseline of the long window is kept
+    assert set(wire.counts["chat"]) == {"met", "missed", "prefill_work_s"}
+    assert all(len(row) == len(wire.times) - 1 for row in wire.counts["chat"].values())
+    assert wire.cursor == {
+        "gw": {"chat": {"met": 2398.0, "missed": 119.0, "prefill_work_s": 599.5}}
+    }
+    # Through the API server (camelCase JSON) and back: the windows read the same.
+    restored = WindowHistory.from_wire(
+        AutoscalerStatus.model_validate(AutoscalerStatus(history=wire).wire()).history,  # type: ignore[arg-type]
+        PREFILL_HISTORY,
+    )
+    for span in (600, 300, 30):
+        assert restored.increases(span) == h.increases(span)
+
+
+def test_a_restored_history_counts_the_gap_from_its_cursor() -> None:
+    h = WindowHistory(PREFILL_HISTORY)
+    h.advance(NOW, {"gw": counters(10)})
+    h.advance(NOW + 60, {"gw": counters(20)})
+    wire = h.wire()
+    assert wire is not None
+    later = WindowHistory.from_wire(wire, PREFILL_HISTORY)
+    # Nobody scraped for 90 s; then: 30 more met and 40 missed, and a new gateway pod.
+    later.advance(NOW + 150, {"gw": counters(50, 40), "gw-new": counters(5)})
+    long, span = later.increases(600)
+    assert span == 150 and long == {"chat": {"met": 45.0, "missed": 40.0}}
+
+
+def test_a_garbled_history_starts_afresh() -> None:
+    bad = AutoscalerHistory(times=[NOW, NOW - 5], counts={}, cursor={"gw": {}})
+    assert WindowHistory.from_wire(bad, PREFILL_HISTORY).times == []
+    short_rows = AutoscalerHistory(times=[NOW, NOW + 5], counts={"chat": {"met": []}})
+    assert WindowHistory.from_wire(short_rows, PREFILL_HISTORY).times == []
+
+
+def auto(long_s: int = 600) -> Autoscaling:
+    return Autoscaling.model_validate(
+        {"maxReplicas": 3, "shortWindowSeconds": 30, "longWindowSeconds": long_s}
+    )
+
+
+def test_a_replica_takes_the_newer_history_from_status() -> None:
+    """A replica that stood by (kopf peering) keeps an old history in memory; when it
+    takes over, status holds the newer one the other replica wrote."""
+    stale = WindowHistory(PREFILL_HISTORY)
+    stale.advance(NOW, {"gw": counters(0)})
+    current = WindowHistory(PREFILL_HISTORY)
+    current.advance(NOW, {"gw": counters(0)})
+    current.advance(NOW + 300, {"gw": counters(50)})
+    histories = Histories()
+    assert histories.of("ns", "p", "prefill", auto(), stale.wire()).times == [NOW]
+    taken = histories.of("ns", "p", "prefill", auto(), current.wire())
+    assert taken.increases(600)[0] == {"chat": {"met": 50.0}}
+    # Memory ahead of status (status is written once per persist step): memory stands.
+    taken.advance(NOW + 303, {"gw": counters(60)})
+    assert histories.of("ns", "p", "prefill", auto(), current.wire()) is taken
+    # Other windows: the history is rebuilt from status at the new resolution.
+    assert histories.of("ns", "p", "prefill", auto(1200), current.wire()) is not taken
+
+
+def test_history_is_written_at_most_once_per_persist_step() -> None:
+    h = WindowHistory(PREFILL_HISTORY)
+    assert not history_due(None, h)  # nothing scraped yet
+    h.advance(NOW, {"gw": counters(0)})
+    assert history_due(None, h)
+    written = h.wire()
+    h.advance(NOW + 5, {"gw": counters(1)})
+    assert not history_due(written, h)  # 5 s < 10 s (600 s / 60)
+    h.advance(NOW + 10, {"gw": counters(2)})
+    assert history_due(written, h)
+    written = h.wire()
+    # Quiet: nothing moved, so status (its cursor still true) is not rewritten; the quiet
+    # time counts as zero in the first point a restarted operator adds.
+    h.advance(NOW + 60, {"gw": counters(2)})
+    assert not history_due(written, h)
+    assert written is not None
+    resumed = WindowHistory.from_wire(written, PREFILL_HISTORY)
+    resumed.advance(NOW + 600, {"gw": counters(2)})
+    assert resumed.increases(600) == ({"chat": {"met": 2.0}}, 600.0)
+
+
+def test_a_gateway_that_missed_a_scrape_is_not_counted_again() -> None:
+    h = WindowHistory(PREFILL_HISTORY)
+    h.advance(NOW, {"gw": counters(1000)})
+    h.advance(NOW + 5, {}, live=["gw"])  # it exists but did not answer (a timeout)
+    h.advance(NOW + 10, {"gw": counters(1010)}, live=["gw"])
+    assert h.increases(600)[0] == {"chat": {"met": 10.0}}
+    # A pod gone for good leaves the cursor; a new one counts from zero.
+    h.advance(NOW + 15, {"gw-2": counters(4)}, live=["gw-2"])
+    assert h.cursor is not None and set(h.cursor) == {"gw-2"}
+    assert h.increases(600)[0] == {"chat": {"met": 14.0}}

@@ -2,13 +2,20 @@
 their ``status.autoscaler``; it never touches a pool owned externally (kubectl, an HPA).
 
 Per service, once per ``autoscaleIntervalSeconds`` (any of its pools' timers starts the
-round; the others find it done): read the gateways' windows (the attainment tracker the
-scraper fills), call the pure decision functions of :mod:`flowprefill.autoscale.policy`
-for every operator-owned pool, fit them into the service's GPU budget, write each change
-through the pool's ``/scale`` subresource (the pool controller then moves its
-Deployment), post an Event per change, count it, and record the decision in status. The
-cool-down memory lives in status, so a restarted operator resumes it; a round with fewer
-than two samples of the gateways (just started) decides nothing.
+round; the others find it done): fold the newest scrape of the service's gateways into
+each operator-owned pool's window history (:mod:`flowprefill_operator.history`), call the
+pure decision functions of :mod:`flowprefill.autoscale.policy` on its windows, fit them
+into the service's GPU budget, write each change through the pool's ``/scale``
+subresource (the pool controller then moves its Deployment), post an Event per change,
+count it, and record the decision in status.
+
+Everything a decision remembers lives in the pool's ``status.autoscaler``: the scale times
+the cool-downs read and the windows' history (written at most once per 1/60 of the long
+window, and only while the gateways' counters move). So a restarted operator, or a
+standby that takes over when the leader goes (kopf peering: standbys run no timers, so
+they neither scrape nor decide), resumes the windows where status left them, and the
+traffic while nobody scraped counts (the history's cursor). A pool with no history yet
+decides nothing on its first scrape (a baseline).
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from flowprefill.autoscale.policy import Decision, decide_decode, decide_prefill
 from ..attainment import AttainmentTracker
 from ..builders import PoolRef, pool_selector
 from ..builders.slotable import selected
+from ..history import HistorySettings, WindowHistory, newer, pods_of
 from ..kube import ApiError
 from ..metrics import OperatorMetrics
 from ..models import ServingPoolSpec, ServingPoolStatus
+from ..models.autoscaling import AutoscalerHistory, Autoscaling
 from ..scaling import (
     ServedClass,
     class_signals,
@@ -42,7 +51,7 @@ from ..scaling import (
 )
 from .common import POOLS, SETTINGS, Body, Context, Event, context, from_memo, parse_status, post
 from .indexes import ClassEntry, class_index, classes_of, pool_index, pools_of
-from .scraper import refresh_attainment
+from .scraper import LatestScrapes, refresh_attainment
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +75,47 @@ class ScalerRounds:
             return True
 
 
+class Histories:
+    """Each operator-owned pool's :class:`WindowHistory` in memory, taken from its status
+    whenever status holds a newer one than memory (this process just started, or stood
+    by while another replica scaled)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_pool: dict[tuple[str, str], WindowHistory] = {}
+
+    def of(
+        self,
+        namespace: str,
+        name: str,
+        role: str,
+        auto: Autoscaling,
+        persisted: AutoscalerHistory | None,
+    ) -> WindowHistory:
+        settings = HistorySettings.of(auto.short_window_seconds, auto.long_window_seconds, role)
+        with self._lock:
+            history = self._by_pool.get((namespace, name))
+            if history is None or history.settings != settings or newer(persisted, history):
+                if persisted is not None:
+                    history = WindowHistory.from_wire(persisted, settings)
+                else:
+                    history = WindowHistory(settings)
+                self._by_pool[(namespace, name)] = history
+            return history
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._by_pool.pop((namespace, name), None)
+
+
 @dataclass
 class Scaled:
-    """One operator-owned pool in a round: what it was, what was decided."""
+    """One operator-owned pool in a round: what it was, its windows, what was decided."""
 
     body: Body
     spec: ServingPoolSpec
     status: ServingPoolStatus
+    history: WindowHistory | None = None
     decision: Decision | None = None
 
 
@@ -88,20 +131,20 @@ def served_classes(peers: list[PoolRef], classes: list[ClassEntry]) -> list[Serv
 
 def decide(
     ctx: Context,
-    tracker: AttainmentTracker,
     namespace: str,
-    service: str,
     pool: Scaled,
     classes: list[ServedClass],
     now_s: float,
     prefill_replicas: int = 0,
 ) -> Decision | None:
-    """The policy's decision for one pool; None without a signal to decide on."""
-    auto = pool.spec.autoscaling
+    """The policy's decision for one pool on its history's windows; None without two
+    points in the history (the first scrape is only a baseline)."""
+    auto, history = pool.spec.autoscaling, pool.history
     assert auto is not None  # replicasOwner operator requires it
-    tracker.keep(auto.long_window_seconds)
-    short, _ = tracker.increases(namespace, auto.short_window_seconds, service)
-    long, long_span_s = tracker.increases(namespace, auto.long_window_seconds, service)
+    if history is None or len(history.times) < 2:
+        return None
+    short, _ = history.increases(auto.short_window_seconds)
+    long, long_span_s = history.increases(auto.long_window_seconds)
     name = pool.body["metadata"]["name"]
     observation = observe_pool(
         now_s,
@@ -171,6 +214,9 @@ def carry_out(ctx: Context, metrics: OperatorMetrics, pool: Scaled, now_s: float
         events.append(Event("Normal", reason, message))
         log.info("%s/%s %s", namespace, name, message)
     status = next_status(pool.status.autoscaler, decision, before, now_s)
+    persisted = status.history
+    if pool.history is not None and history_due(persisted, pool.history):
+        status = status.model_copy(update={"history": pool.history.wire()})
     if pool.status.autoscaler is None or status.wire() != pool.status.autoscaler.wire():
         ctx.kube.patch(
             "ServingPool", namespace, name, {"status": {"autoscaler": status.wire()}}, sub="status"
@@ -178,9 +224,35 @@ def carry_out(ctx: Context, metrics: OperatorMetrics, pool: Scaled, now_s: float
     return events
 
 
+def history_due(persisted: AutoscalerHistory | None, history: WindowHistory) -> bool:
+    """Whether the history in memory should replace the one in status: at most once per
+    persist step (1/60 of the long window), and only when a gateway counter moved since
+    (the cursor in status differs). While nothing moves, status stays as it is: the
+    cursor there is still true, so the quiet time counts as quiet in the first point a
+    restarted operator adds."""
+    last = history.last_time
+    if last is None:
+        return False
+    if persisted is None or not persisted.times:
+        return True
+    if last - persisted.times[-1] < history.settings.persist_step_s:
+        return False
+    return history.cursor_wire() != persisted.cursor
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The process-wide state a round reads: the namespace tracker the scraper fills,
+    the newest scrapes with their wall-clock times, the pools' histories."""
+
+    tracker: AttainmentTracker
+    scrapes: LatestScrapes
+    histories: Histories
+
+
 def autoscale_service(
     ctx: Context,
-    tracker: AttainmentTracker,
+    memory: Memory,
     metrics: OperatorMetrics,
     namespace: str,
     service: str,
@@ -189,10 +261,9 @@ def autoscale_service(
 ) -> list[tuple[Body, Event]]:
     """One round for the service's operator-owned pools; returns the Events to post."""
     with ctx.locks("autoscale", namespace, service):
-        refresh_attainment(ctx, tracker, namespace)
-        if tracker.sample_count(namespace) < 2:
-            return []  # just started: the first scrape is only a baseline
-        now_s = time.time()  # wall clock: the cool-down memory is kept in status
+        refresh_attainment(ctx, memory.tracker, namespace, memory.scrapes)
+        scraped = memory.scrapes.get(namespace)
+        now_s = time.time()  # wall clock: the decision memory is kept in status
         owned: list[Scaled] = []
         for ref in peers:
             body = ctx.kube.get("ServingPool", namespace, ref.name)  # fresh replicas, status
@@ -202,15 +273,22 @@ def autoscale_service(
                 spec = ServingPoolSpec.model_validate(body.get("spec") or {})
             except ValidationError:
                 continue  # the pool controller reports it
-            if spec.replicas_owner == "operator":
+            if spec.replicas_owner == "operator" and spec.autoscaling is not None:
                 status = parse_status(ServingPoolStatus, body.get("status"))
-                owned.append(Scaled(body, spec, status))
+                persisted = status.autoscaler.history if status.autoscaler else None
+                history = memory.histories.of(
+                    namespace, ref.name, spec.role, spec.autoscaling, persisted
+                )
+                if scraped is not None:
+                    live = [p for p, s in scraped.services.items() if s == service]
+                    history.advance(
+                        scraped.wall_s, pods_of(scraped.sample, scraped.services, service), live
+                    )
+                owned.append(Scaled(body, spec, status, history))
         served = served_classes(peers, classes)
         prefill_replicas = sum(p.spec.replicas for p in peers if p.spec.role == "prefill")
         for pool in owned:
-            pool.decision = decide(
-                ctx, tracker, namespace, service, pool, served, now_s, prefill_replicas
-            )
+            pool.decision = decide(ctx, namespace, pool, served, now_s, prefill_replicas)
         decided = [p for p in owned if p.decision is not None]
         others = [p for p in peers if p.name not in {s.body["metadata"]["name"] for s in owned}]
         budget = budget_gpus(owned, others)
@@ -229,10 +307,12 @@ def autoscale_service(
         return events
 
 
-def release(ctx: Context, metrics: OperatorMetrics, body: kopf.Body) -> None:
-    """A pool the autoscaler no longer owns: drop its gauge and its status.autoscaler."""
+def release(ctx: Context, metrics: OperatorMetrics, memory: Memory, body: kopf.Body) -> None:
+    """A pool the autoscaler no longer owns: drop its gauge, its history and its
+    status.autoscaler."""
     meta = body["metadata"]
     metrics.forget(meta["namespace"], meta["name"])
+    memory.histories.forget(meta["namespace"], meta["name"])
     if (body.get("status") or {}).get("autoscaler") is not None:
         patch = {"status": {"autoscaler": None}}
         ctx.kube.patch("ServingPool", meta["namespace"], meta["name"], patch, sub="status")
@@ -243,18 +323,23 @@ def autoscale(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **kwargs:
     if namespace is None or body.get("metadata", {}).get("deletionTimestamp"):
         return
     ctx, metrics = context(memo), from_memo(memo, "operator_metrics", OperatorMetrics)
+    memory = Memory(
+        from_memo(memo, "attainment", AttainmentTracker),
+        from_memo(memo, "latest_scrapes", LatestScrapes),
+        from_memo(memo, "autoscaler_histories", Histories),
+    )
     spec = body.get("spec") or {}
     service = spec.get("service")
     try:
         if spec.get("replicasOwner") != "operator" or not isinstance(service, str):
-            release(ctx, metrics, body)  # never writes replicas of a pool it does not own
+            release(ctx, metrics, memory, body)  # never writes replicas it does not own
             return
         rounds = from_memo(memo, "scaler_rounds", ScalerRounds)
         if not rounds.due(namespace, service, time.monotonic(), ctx.settings.autoscale_interval_s):
             return
         events = autoscale_service(
             ctx,
-            from_memo(memo, "attainment", AttainmentTracker),
+            memory,
             metrics,
             namespace,
             service,

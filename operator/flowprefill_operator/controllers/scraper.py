@@ -6,13 +6,18 @@ autoscaler reads its windows too) and only those status fields.
 
 Gateways exist only where pools do, so the job runs on a timer of the pools (SLOClasses
 then need no timer and no finalizer), rate-limited to one scrape per namespace per half
-interval however many pools the namespace has.
+interval however many pools the namespace has. Each namespace's newest scrape is also
+kept with its wall-clock time (:class:`LatestScrapes`): the autoscaler folds it into the
+pools' persisted histories (``flowprefill_operator.history``), which outlive this process
+and so cannot use the tracker's monotonic clock.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,7 +26,7 @@ import kopf
 from flowprefill.contracts.deployment import GATEWAY_PORT, METRICS_PATH
 
 from .. import MANAGED_BY
-from ..attainment import AttainmentTracker, fetch_text, scrape
+from ..attainment import AttainmentTracker, Sample, fetch_text, scrape
 from ..builders.common import ROLE_LABEL, SERVICE_LABEL
 from ..classstatus import attainment_patch
 from ..kube import ApiError
@@ -52,8 +57,40 @@ def gateway_targets(ctx: Context, namespace: str) -> tuple[dict[str, str], dict[
     return targets, services
 
 
-def refresh_attainment(ctx: Context, tracker: AttainmentTracker, namespace: str) -> dict[str, str]:
-    """Scrape the namespace's gateways unless a recent scrape exists; returns errors."""
+@dataclass(frozen=True)
+class Scrape:
+    """One scrape of a namespace's gateways: wall-clock time, pod -> counters, pod -> the
+    service it is the gateway of. A pod that did not answer is absent."""
+
+    wall_s: float
+    sample: Sample
+    services: dict[str, str]
+
+
+class LatestScrapes:
+    """The newest :class:`Scrape` of each namespace (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: dict[str, Scrape] = {}
+
+    def record(self, namespace: str, scraped: Scrape) -> None:
+        with self._lock:
+            self._latest[namespace] = scraped
+
+    def get(self, namespace: str) -> Scrape | None:
+        with self._lock:
+            return self._latest.get(namespace)
+
+
+def refresh_attainment(
+    ctx: Context,
+    tracker: AttainmentTracker,
+    namespace: str,
+    latest: LatestScrapes | None = None,
+) -> dict[str, str]:
+    """Scrape the namespace's gateways unless a recent scrape exists; returns errors. The
+    scrape goes to ``tracker`` and, with its wall-clock time, to ``latest``."""
     with ctx.locks("scrape", namespace):
         last = tracker.last_time(namespace)
         now = time.monotonic()
@@ -63,15 +100,21 @@ def refresh_attainment(ctx: Context, tracker: AttainmentTracker, namespace: str)
         targets, services = gateway_targets(ctx, namespace)
         sample, errors = scrape(targets, lambda url: fetch_text(url, timeout))
         tracker.record(namespace, now, sample, services)
+        if latest is not None:
+            latest.record(namespace, Scrape(time.time(), sample, services))
         return errors
 
 
 def write_attainment(
-    ctx: Context, tracker: AttainmentTracker, namespace: str, classes: list[ClassEntry]
+    ctx: Context,
+    tracker: AttainmentTracker,
+    namespace: str,
+    classes: list[ClassEntry],
+    latest: LatestScrapes | None = None,
 ) -> int:
     """Fold the window's counts into every class of the namespace, with its Degraded
     condition, at the rate :mod:`..classstatus` states; returns the writes."""
-    refresh_attainment(ctx, tracker, namespace)
+    refresh_attainment(ctx, tracker, namespace, latest)
     if tracker.sample_count(namespace) < 2:
         return 0  # not enough samples for a window yet
     window = tracker.window(namespace)
@@ -99,8 +142,9 @@ def attainment(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **kwargs
     if namespace is None or body.get("metadata", {}).get("deletionTimestamp"):
         return
     tracker = from_memo(memo, "attainment", AttainmentTracker)
+    latest = from_memo(memo, "latest_scrapes", LatestScrapes)
     classes = classes_of(class_index(kwargs), namespace)
     try:
-        write_attainment(context(memo), tracker, namespace, classes)
+        write_attainment(context(memo), tracker, namespace, classes, latest)
     except ApiError as e:
         log.warning("attainment of %s not written (the next run retries): %s", namespace, e)

@@ -138,9 +138,38 @@ class Autoscaling(CRModel):
         return self
 
 
+HISTORY_MAX_POINTS = 64
+"""Bound of ``status.autoscaler.history`` (the operator writes at most 62 points)."""
+
+
+class AutoscalerHistory(CRModel):
+    """The service's gateway counters over the pool's long window, as the autoscaler's
+    windows read them (``flowprefill_operator.history``): kept here so that a restarted
+    operator, or a standby taking over, resumes the windows instead of starting them
+    again. Written by the autoscaler only, at most once per 1/60 of the long window."""
+
+    times: list[float] = Field(
+        default_factory=list,
+        max_length=HISTORY_MAX_POINTS,
+        description="Times of the points (Unix seconds), oldest first; the last is the cursor's.",
+    )
+    counts: dict[str, dict[str, list[float]]] = Field(
+        default_factory=dict,
+        description="SLO class -> series (met, missed, prefill_work_s, tpot_le_<bound>) -> "
+        "its increase from each point to the next (one fewer than times); series that did "
+        "not move are left out.",
+    )
+    cursor: dict[str, dict[str, dict[str, float]]] = Field(
+        default_factory=dict,
+        description="Gateway pod -> SLO class -> series -> its counter at the last point: "
+        "the next scrape's increase is taken from here.",
+    )
+
+
 class AutoscalerStatus(CRModel):
     """What the autoscaler last decided and when it last changed the replicas (its
-    cool-down memory: kept here so that a restarted operator resumes it)."""
+    cool-down memory), and the history its windows read: kept here so that a restarted
+    operator, or a standby taking over, resumes both."""
 
     desired_replicas: int | None = Field(
         default=None, description="Replicas of the last decision (within the GPU budget)."
@@ -154,4 +183,9 @@ class AutoscalerStatus(CRModel):
     )
     last_scale_down_time: str | None = Field(
         default=None, description="When the autoscaler last removed pods (RFC 3339)."
+    )
+    history: AutoscalerHistory | None = Field(
+        default=None,
+        description="The windows' history (see AutoscalerHistory); absent until the "
+        "autoscaler has scraped the service's gateways.",
     )
