@@ -128,6 +128,7 @@ def test_prefill_command_config_and_probes() -> None:
             "dir": None,
             "advertise_url": None,
             "max_age_s": 600.0,
+            "budget_mb": 8192.0,  # the contract's default KV budget
             "nixl": {
                 "side_channel_port": 5600,
                 "advertise_host": None,
@@ -136,6 +137,7 @@ def test_prefill_command_config_and_probes() -> None:
                 "block_size": 16,
                 "attention_backend": None,
                 "lease_s": 30.0,
+                "progress_thread": None,  # NIXL's own choice per device
             },
         },
     }
@@ -241,7 +243,7 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
                                 "ConfigMap")[0]["data"]["engine.json"])  # fmt: skip
     assert engine["kv"] == {
         "transport": "http", "dir": mount, "advertise_url": None, "max_age_s": 120.0,
-        "nixl": None,
+        "budget_mb": 8192.0, "nixl": None,
     }  # fmt: skip
     env = [e["name"] for e in container["env"]]
     # $(POD_IP) expands only from variables defined before it.
