@@ -131,7 +131,10 @@ def reconcile_pool(
             observed = Observed(
                 generation=generation,
                 desired_replicas=replicas if isinstance(replicas, int) else 0,
-                deployment=ctx.kube.get("Deployment", namespace, name),
+                # A reserved name's Deployment is a gateway's, not this pool's.
+                deployment=None
+                if reserved_pool_name(name)
+                else ctx.kube.get("Deployment", namespace, name),
                 problems=[Problem("InvalidSpec", message, invalid_spec=True)],
             )
             status = fold_status(observed, previous, now_rfc3339(), selector=selector, gateway="")
