@@ -12,12 +12,15 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.operator.cluster import FAST as FAST_OPERATOR
 from tests.operator.cluster import Cluster, create, pool, slo
-from tests.operator.harness import wait_for
+from tests.operator.emulator import EmulatorThread
+from tests.operator.harness import OperatorProcess, kube_for, wait_for
 from tests.operator.test_operator_attainment import gateway_metrics
 
 FAST = {
@@ -331,6 +334,65 @@ def test_a_cooldown_still_holds_after_a_restart(cluster: Cluster, gateway: FakeG
     )
     time.sleep(2.5)
     assert replicas(cluster, ns, "m-prefill") == 2
+
+
+def test_a_standby_taking_over_resumes_the_windows(
+    tmp_path: Path, repo_root: Path, gateway: FakeGateway
+) -> None:
+    """Two replicas with kopf peering: the standby runs no timers (it neither scrapes nor
+    decides). The leader goes; misses are served meanwhile; the standby, taking over,
+    resumes the leader's history from status and scales up on them."""
+    chart = repo_root / "charts/flowprefill"
+    emulator = EmulatorThread(
+        sorted([*chart.glob("crds/*.yaml"), *chart.glob("files/crds/*.yaml")])
+    ).start()
+    kubeconfig = emulator.write_kubeconfig(tmp_path / "kubeconfig")
+    kube = kube_for(kubeconfig)
+    peering = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering"}
+    kube.request("POST", "/apis/kopf.dev/v1/clusterkopfpeerings",
+                 {**peering, "metadata": {"name": "flowprefill"}})  # fmt: skip
+    replicas_ = [
+        OperatorProcess(
+            kubeconfig,
+            tmp_path / f"op-{i}.log",
+            {**FAST_OPERATOR, "POD_NAME": f"flowprefill-operator-{i}"},
+            peering="flowprefill",
+        )
+        for i in range(2)
+    ]
+    ns, name = "as-failover", "m-prefill"
+    try:
+        for r in replicas_:
+            r.start()
+        for obj in (
+            slo("chat", 250, default=True, attainmentTarget=0.9),
+            gateway.pod("m"),
+            autoscaled(name, "m", maxStepUp=1),
+        ):
+            kube.create({**obj, "metadata": {**obj["metadata"], "namespace": ns}})
+
+        def status() -> dict[str, Any]:
+            body = kube.get("ServingPool", ns, name) or {}
+            found: dict[str, Any] = (body.get("status") or {}).get("autoscaler") or {}
+            return found
+
+        wait_for(lambda: "m-gateway-fake" in (status().get("history") or {}).get("cursor", {}),
+                 60, "the leader's first decision with its history")  # fmt: skip
+        leader = [r for r in replicas_ if f"created Deployment {ns}/{name}" in r.log()]
+        assert len(leader) == 1
+        standby = next(r for r in replicas_ if r is not leader[0])
+        leader[0].stop()
+        gateway.add("chat", met=10, missed=90)
+        wait_for(
+            lambda: (kube.get("ServingPool", ns, name) or {}).get("spec", {}).get("replicas") == 2,
+            60,
+            "the standby scaling up on the misses served while it took over",
+        )
+        assert standby.proc is not None and standby.proc.poll() is None
+    finally:
+        for r in replicas_:
+            r.stop()
+        emulator.stop()
 
 
 def events(c: Cluster, ns: str, name: str) -> list[str]:
