@@ -243,7 +243,7 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
                                 "ConfigMap")[0]["data"]["engine.json"])  # fmt: skip
     assert engine["kv"] == {
         "transport": "http", "dir": mount, "advertise_url": None, "max_age_s": 120.0,
-        "budget_mb": 8192.0, "nixl": None,
+        "budget_mb": 0.9 * 20 * 1024, "nixl": None,  # 90 % of sizeLimit (no budget set)
     }  # fmt: skip
     env = [e["name"] for e in container["env"]]
     # $(POD_IP) expands only from variables defined before it.
@@ -266,7 +266,7 @@ def test_http_kv_handoff_gives_each_pod_its_own_dir_and_prefill_its_pod_ip() -> 
 
     decode = _pod(d)
     container = decode["containers"][0]
-    assert {"name": "kv", "emptyDir": {}} in decode["volumes"]
+    assert {"name": "kv", "emptyDir": {"sizeLimit": "9012Mi"}} in decode["volumes"]  # 8Gi + 10 %
     assert _kv_config(container["command"]) == {"transport": "http", "cache_dir": mount}
     assert "POD_IP" not in {e["name"] for e in container["env"]}
 

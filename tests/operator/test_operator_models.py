@@ -161,6 +161,7 @@ BAD_POOLS = [
     ),
     ({"kvHandoff": {"transport": "http", "claimName": "kv"}}, "not used with http"),
     ({"kvHandoff": {"claimName": "kv", "sizeLimit": "1Gi"}}, "sizeLimit applies to"),
+    ({"kvHandoff": {"transport": "nixl", "budget": "1Gi"}}, "budget applies to"),
     ({"kvHandoff": {"transport": "nfs"}}, "transport"),
     ({"kvHandoff": {"transport": "http", "maxAgeSeconds": 1}}, "maxAgeSeconds"),
     ({"unknownField": 1}, "unknownField"),

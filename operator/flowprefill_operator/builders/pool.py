@@ -21,6 +21,7 @@ from flowprefill.contracts.processes import (
 )
 
 from ..models import ServingPoolSpec
+from ..models.kvhandoff import DEFAULT_BUDGET, KVHandoff
 from ..settings import OperatorSettings
 from . import nixl, rollout
 from .common import (
@@ -88,7 +89,33 @@ def kv_settings(spec: ServingPoolSpec) -> KVHandoffSettings | None:
         return KVHandoffSettings(
             transport=transport, nixl=nixl.producer_settings(spec), max_age_s=kv.max_age_seconds
         )
-    return KVHandoffSettings(transport=transport, dir=kv.mount_path, max_age_s=kv.max_age_seconds)
+    return KVHandoffSettings(
+        transport=transport,
+        dir=kv.mount_path,
+        max_age_s=kv.max_age_seconds,
+        budget_mb=kv_budget_bytes(kv) / 2**20,
+    )
+
+
+def kv_budget_bytes(kv: KVHandoff) -> int:
+    """The hand-off files a prefill pod may hold (http, sharedDir): ``budget``, else 90 %
+    of an explicit ``sizeLimit`` (room for files being written), else the default."""
+    if kv.budget is not None:
+        return int(quantity_value(kv.budget))
+    if kv.size_limit is not None:
+        return int(0.9 * quantity_value(kv.size_limit))
+    return int(quantity_value(DEFAULT_BUDGET))
+
+
+def kv_volume_size(kv: KVHandoff) -> str:
+    """sizeLimit of an ``http`` pod's hand-off emptyDir, and the ephemeral storage it
+    requests: an explicit ``sizeLimit``, else the budget plus a tenth (at least 256 MiB),
+    so that prefill refuses a hand-off (decode recomputes) before the kubelet would evict
+    the pod for its disk use."""
+    if kv.size_limit is not None:
+        return kv.size_limit
+    budget = kv_budget_bytes(kv)
+    return f"{-(-(budget + max(budget // 10, 256 * 2**20)) // 2**20)}Mi"
 
 
 _SUFFIXES = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
@@ -195,8 +222,7 @@ def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[st
     if kv is None or kv.transport == "nixl":
         return [], []
     if kv.transport == "http":
-        empty_dir = {"sizeLimit": kv.size_limit} if kv.size_limit else {}
-        volume: dict[str, Any] = {"name": "kv", "emptyDir": empty_dir}
+        volume: dict[str, Any] = {"name": "kv", "emptyDir": {"sizeLimit": kv_volume_size(kv)}}
     else:
         volume = {"name": "kv", "persistentVolumeClaim": {"claimName": kv.claim_name}}
     return [volume], [{"name": "kv", "mountPath": kv.mount_path}]
@@ -212,7 +238,12 @@ def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
     if res.memory:
         amounts["memory"] = res.memory
     amounts |= nixl.rdma_resources(spec)
-    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+    resources: dict[str, Any] = {"requests": dict(amounts), "limits": dict(amounts)}
+    if spec.kv is not None and spec.kv.transport == "http":
+        # The hand-off emptyDir lives on the node's disk: schedule where it fits. A request
+        # only: the emptyDir's sizeLimit already bounds it, and the budget keeps it below.
+        resources["requests"]["ephemeral-storage"] = kv_volume_size(spec.kv)
+    return resources if amounts or resources["requests"] else {}
 
 
 def build_engine_configmap(pool: PoolRef) -> Manifest:

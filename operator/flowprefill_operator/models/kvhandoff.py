@@ -31,6 +31,9 @@ UCX_ENV_OWN_FIELDS = (
 CLAIM_RULE = "claimName is required with transport sharedDir and not used with http or nixl"
 SIZE_LIMIT_RULE = "sizeLimit applies to transport http (the emptyDir)"
 NIXL_RULE = "nixl (bufferMiB, blockSize, ucx, rdma, ipcLock) applies to transport nixl"
+BUDGET_RULE = "budget applies to transports http and sharedDir (nixl's is nixl.bufferMiB)"
+DEFAULT_BUDGET = "8Gi"
+"""The engine's default ``kv.budget_mb`` (8,192 MiB) as a quantity."""
 RDMA_EXTENDED = (
     "rdma.resources names extended resources (domain/name, e.g. rdma/ib), not cpu or memory"
 )
@@ -181,6 +184,10 @@ class KVHandoff(CRModel):
                     " : !has(self.claimName))",
                     NIXL_RULE,
                 ),
+                cel(
+                    "!has(self.budget) || !has(self.transport) || self.transport != 'nixl'",
+                    BUDGET_RULE,
+                ),
             ]
         }
     )
@@ -208,6 +215,15 @@ class KVHandoff(CRModel):
         description="sizeLimit of each pod's emptyDir (transport http); room for maxAgeSeconds "
         "of hand-offs (KV bytes per token x tokens per second).",
     )
+    budget: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        max_length=64,
+        description="The most hand-off files each prefill pod holds for decode (http, "
+        "sharedDir); a prompt past it gets no hand-off and decode recomputes it. With http the "
+        "emptyDir's sizeLimit (unless set) and each pod's ephemeral-storage request are sized "
+        f"from it. Unset: 90 % of sizeLimit when set, else {DEFAULT_BUDGET}.",
+    )
     max_age_seconds: int = Field(
         default=600,
         ge=10,
@@ -230,6 +246,8 @@ class KVHandoff(CRModel):
             self.transport != "nixl" if self.transport else self.claim_name is not None
         ):
             raise ValueError(NIXL_RULE)
+        if self.budget is not None and self.transport == "nixl":
+            raise ValueError(BUDGET_RULE)
         return self
 
     def resolve_transport(self, *, on_gpu: bool) -> Transport:
