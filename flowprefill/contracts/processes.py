@@ -202,9 +202,12 @@ def gateway_process(
     slo_table_path: str,
     port: int,
     host: str | None = None,
+    drain_timeout_s: int | None = None,
 ) -> ProcessSpec:
     """``flowprefill serve-gateway`` with its ``gateway.json`` and the SLO table (reloaded
-    when the file changes)."""
+    when the file changes); ``drain_timeout_s``: how long open streams may take to finish
+    on SIGTERM (the gateway's default when None)."""
+    drain = () if drain_timeout_s is None else ("--drain-timeout", str(drain_timeout_s))
     return ProcessSpec(
         role=Role.GATEWAY,
         launcher=launcher.flowprefill,
@@ -215,6 +218,7 @@ def gateway_process(
             "--slo-table",
             slo_table_path,
             *_listen(host, port),
+            *drain,
         ),
         port=port,
         ready_path=READY_PATH,

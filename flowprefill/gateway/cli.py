@@ -21,6 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=GATEWAY_PORT)
     add_client_limit_arguments(p, max_body_mb=32.0)
     p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds open streams may take to finish on SIGTERM before they are cut",
+    )
 
 
 def build_state(
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level="info",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=args.drain_timeout,
         **uvicorn_options(args.header_timeout),
     )
     return 0

@@ -357,6 +357,8 @@ def test_gateway_command_config_and_slo_table_mount() -> None:
         "/etc/flowprefill/slo/slo-table.json",
         "--port",
         "8000",
+        "--drain-timeout",
+        "300",
     ]
     slo_mount = next(m for m in container["volumeMounts"] if m["name"] == "slo")
     assert "subPath" not in slo_mount  # a directory mount is refreshed in place

@@ -68,6 +68,7 @@ def gateway_command() -> ProcessSpec:
         gateway_config_path=GATEWAY_CONFIG_PATH,
         slo_table_path=f"{SLO_DIR}/{SLO_TABLE_FILE}",
         port=GATEWAY_PORT,
+        drain_timeout_s=rollout.GATEWAY_DRAIN_S,
     )
 
 

@@ -11,8 +11,8 @@ only sizes the pod's budget around it):
 2. SIGTERM: the process stops taking requests and finishes the in-flight ones, up to its
    drain bound — vLLM's ``--shutdown-timeout`` (decode; vLLM's default 0 aborts every
    stream at once), the prefill server's ``--drain-timeout`` and then its engine close
-   (:data:`PREFILL_ENGINE_CLOSE_S`), the gateway's fixed uvicorn graceful shutdown
-   (:data:`GATEWAY_DRAIN_S`, set in ``flowprefill/gateway/cli.py``, not configurable).
+   (:data:`PREFILL_ENGINE_CLOSE_S`), the gateway's ``--drain-timeout``
+   (:data:`GATEWAY_DRAIN_S`).
 3. ``terminationGracePeriodSeconds`` = sleep + drain + :data:`GRACE_MARGIN_S`, so the
    kubelet's SIGKILL never lands before the process's own bound.
 """
@@ -33,8 +33,9 @@ PREFILL_DRAIN_S = 60
 18 s at most in the paper's tables) and the hand-offs decode still pulls."""
 PREFILL_ENGINE_CLOSE_S = 30
 """The prefill server's engine close after its HTTP drain (flowprefill/prefill/server)."""
-GATEWAY_DRAIN_S = 30
-"""The gateway's uvicorn ``timeout_graceful_shutdown`` (fixed in the gateway's CLI)."""
+GATEWAY_DRAIN_S = DECODE_DRAIN_S
+"""The gateway's drain bound (``serve-gateway --drain-timeout``): it relays decode's
+streams, so it waits as long as a decode pod does."""
 GRACE_MARGIN_S = 15
 """Slack between the process's drain bound and the kubelet's SIGKILL."""
 
