@@ -128,7 +128,7 @@ def test_kv_handoff_the_pools_disagree_on_is_reported_on_both(cluster: Cluster) 
     for name in ("m-prefill", "m-decode"):  # the other pool clears on its next timer
         wait_for(lambda: degraded(name) == "False", what=f"{name} agrees")  # noqa: B023
     decode = cluster.get("Deployment", ns, "m-decode")["spec"]["template"]["spec"]
-    assert {"name": "kv", "emptyDir": {}} in decode["volumes"]
+    assert {"name": "kv", "emptyDir": {"sizeLimit": "9012Mi"}} in decode["volumes"]  # 8Gi + 10 %
 
 
 def test_transient_api_errors_are_retried(cluster: Cluster) -> None:
