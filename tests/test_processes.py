@@ -83,13 +83,18 @@ def _operator(transport: str) -> dict[str, Any]:
     return {"containers": containers, "engine_json": engine_json}
 
 
-def _without_host(args: list[str]) -> list[str]:
+# Where the two differ on purpose: the listen address, and the pods' drain bounds (the
+# operator's rollout: a terminating pod finishes its streams; up's children stop on Ctrl-C).
+NOT_COMPARED = ("--host", "--drain-timeout", "--shutdown-timeout")
+
+
+def _compared(args: list[str]) -> list[str]:
     out, skip = [], False
     for a in args:
         if skip:
             skip = False
             continue
-        if a == "--host":
+        if a in NOT_COMPARED:
             skip = True
             continue
         out.append(a)
@@ -98,7 +103,7 @@ def _without_host(args: list[str]) -> list[str]:
 
 def _normalise(args: list[str], paths: dict[str, str]) -> list[str]:
     out = []
-    for a in _without_host(args):
+    for a in _compared(args):
         if a.startswith("{"):  # the connector config: compare as data, paths replaced
             config = json.loads(a)
             extra = config.get("kv_connector_extra_config", {})
