@@ -82,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="nixl transport: the TTFT target (s) of vLLM-style P/D requests at "
-        "/v1/completions that name none (body ttft_slo_s, or header x-slo-ttft-ms)",
+        "/v1/completions that name none (body ttft_slo_s, or header x-llm-d-slo-ttft-ms / "
+        "x-slo-ttft-ms)",
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
 

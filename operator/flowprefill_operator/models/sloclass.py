@@ -85,10 +85,11 @@ class MatchRules(CRModel):
 
 class ClaimRules(CRModel):
     """Who may put a request into this class by naming it (``x-slo-class``, the
-    ``slo_class`` body field, ``x-gateway-inference-objective``) or by a priority
-    (``x-dynamo-request-priority``, vLLM's ``priority``), and who may tighten its TTFT
-    target per request (``x-slo-ttft-ms``). Empty: nobody — such requests get the class
-    their match rules (or the default) give them, and the refusal is reported.
+    ``slo_class`` body field, ``x-llm-d-inference-objective`` or its alias
+    ``x-gateway-inference-objective``) or by a priority (``x-dynamo-request-priority``,
+    vLLM's ``priority``), and who may tighten its TTFT target per request
+    (``x-llm-d-slo-ttft-ms``, alias ``x-slo-ttft-ms``). Empty: nobody — such requests get
+    the class their match rules (or the default) give them, and the refusal is reported.
     """
 
     model_config = ConfigDict(
@@ -127,8 +128,9 @@ class ClaimRules(CRModel):
         default=None,
         ge=1,
         le=600_000,
-        description="The tightest per-request TTFT target (x-slo-ttft-ms) a client admitted "
-        "here may ask for in this class; unset: none tighter than ttftSloMs.",
+        description="The tightest per-request TTFT target (x-llm-d-slo-ttft-ms or "
+        "x-slo-ttft-ms) a client admitted here may ask for in this class; unset: none "
+        "tighter than ttftSloMs.",
     )
 
     @model_validator(mode="after")
