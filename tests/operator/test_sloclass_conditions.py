@@ -3,10 +3,8 @@ does not churn etcd (:mod:`flowprefill_operator.classstatus` states the rule).""
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from flowprefill_operator.classstatus import (
@@ -17,8 +15,8 @@ from flowprefill_operator.classstatus import (
 from flowprefill_operator.models import Condition
 
 from tests.operator.cluster import Cluster, create, pool, slo
+from tests.operator.fake_gateway import FakeGateway
 from tests.operator.harness import wait_for
-from tests.operator.test_operator_attainment import gateway_metrics
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -106,51 +104,16 @@ def test_ready_condition_follows_the_verdict(cluster: Cluster) -> None:
 
 def test_degraded_below_target_and_no_churn(cluster: Cluster) -> None:
     ns = "slo-degraded"
-    counts = {("chat", "met"): 0, ("chat", "missed"): 0}
-
-    class Metrics(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = gateway_metrics(counts).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    gateway = FakeGateway()
     try:
         create(cluster, slo("chat", 250, default=True, attainmentTarget=0.9), ns)
         create(cluster, pool("m-prefill", "m"), ns)
-        labels = {
-            "app.kubernetes.io/managed-by": "flowprefill-operator",
-            "flowprefill.io/role": "gateway",
-        }
-        port = server.server_address[1]
-        gateway_pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "m-gateway-abc", "labels": labels},
-            "spec": {
-                "containers": [
-                    {
-                        "name": "gateway",
-                        "image": "g",
-                        "ports": [{"name": "http", "containerPort": port}],
-                    }
-                ]
-            },
-            "status": {"phase": "Running", "podIP": "127.0.0.1"},
-        }
-        create(cluster, gateway_pod, ns)
+        create(cluster, gateway.pod("m"), ns)
         wait_for(
             lambda: conditions(cluster, ns, "chat").get("Degraded") == ("False", "NoTraffic"),
             what="baseline window",
         )
-        counts[("chat", "met")] += 50
-        counts[("chat", "missed")] += 50
+        gateway.add("chat", met=50, missed=50)
         wait_for(
             lambda: (
                 conditions(cluster, ns, "chat").get("Degraded") == ("True", "AttainmentBelowTarget")
@@ -162,9 +125,8 @@ def test_degraded_below_target_and_no_churn(cluster: Cluster) -> None:
         # status is not rewritten within the refresh period.
         before = cluster.emulator.write_count("sloclasses", ns, ("patch/status",))
         for _ in range(5):
-            counts[("chat", "met")] += 10
-            counts[("chat", "missed")] += 10
+            gateway.add("chat", met=10, missed=10)
             time.sleep(1.0)
         assert cluster.emulator.write_count("sloclasses", ns, ("patch/status",)) == before
     finally:
-        server.shutdown()
+        gateway.server.shutdown()
