@@ -121,6 +121,11 @@ def prefill_process(
     )
 
 
+DRAIN_TIMEOUT_FLAG = "--drain-timeout"
+"""``serve-prefill`` and ``serve-gateway``: seconds in-flight requests may take to finish
+on SIGTERM (the operator sets it per pod; docs/pods.md)."""
+
+
 def decode_process(
     launcher: Launcher,
     *,
@@ -207,7 +212,7 @@ def gateway_process(
     """``flowprefill serve-gateway`` with its ``gateway.json`` and the SLO table (reloaded
     when the file changes); ``drain_timeout_s``: how long open streams may take to finish
     on SIGTERM (the gateway's default when None)."""
-    drain = () if drain_timeout_s is None else ("--drain-timeout", str(drain_timeout_s))
+    drain = () if drain_timeout_s is None else (DRAIN_TIMEOUT_FLAG, str(drain_timeout_s))
     return ProcessSpec(
         role=Role.GATEWAY,
         launcher=launcher.flowprefill,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from flowprefill.contracts import GatewayConfig
 from flowprefill.contracts.deployment import GATEWAY_PORT
+from flowprefill.contracts.processes import DRAIN_TIMEOUT_FLAG
 from flowprefill.web.limits import add_client_limit_arguments
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_client_limit_arguments(p, max_body_mb=32.0)
     p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds")
     p.add_argument(
-        "--drain-timeout",
+        DRAIN_TIMEOUT_FLAG,
         type=float,
         default=30.0,
         help="seconds open streams may take to finish on SIGTERM before they are cut",

@@ -25,6 +25,7 @@ from flowprefill.contracts.metrics import (
     SLO_CLASS_LABEL,
     TTFT_BUCKETS_S,
 )
+from flowprefill.errors import KVBudgetExceededError
 
 # Operator-level blocking lives in the 0.1–10 ms range, layer-level up to ~100 ms here.
 BLOCKING_BUCKETS_S = (
@@ -133,6 +134,12 @@ class EngineMetrics:
             [KV_REFUSED_REASON_LABEL],
             registry=r,
         )
+
+    def count_kv_refusal(self, error: BaseException) -> None:
+        """A finished prompt got no KV hand-off because of ``error``: ``budget`` when the
+        KV held for decode is at its budget, else ``error``."""
+        reason = "budget" if isinstance(error, KVBudgetExceededError) else "error"
+        self.kv_refused.labels(reason).inc()
 
     def watch_kv(self, held_bytes: Callable[[], float], budget_bytes: float) -> None:
         """Report the KV held for decode as ``held_bytes()`` reads at each scrape."""

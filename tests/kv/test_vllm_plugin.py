@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV
 from flowprefill.contracts.names import KVTransport
 from flowprefill.contracts.nixl import NIXL_PROGRESS_THREAD_ENV
 from flowprefill.contracts.processes import Launcher, decode_process
@@ -70,4 +71,4 @@ def test_cpu_decode_processes_ask_for_it_gpu_ones_do_not(cpu: bool) -> None:
             Launcher.local(), model_path="/m", port=8000, kv_transport=transport, cpu=cpu
         )
         assert (spec.env.get(NIXL_PROGRESS_THREAD_ENV) == "0") is cpu, (transport, spec.env)
-        assert ("FLOWPREFILL_VLLM_IDLE_SPIN_S" in spec.env) is cpu
+        assert (VLLM_IDLE_SPIN_ENV in spec.env) is cpu

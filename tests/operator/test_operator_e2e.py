@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +16,8 @@ import kubernetes_validate
 import pytest
 
 from tests.operator.cluster import GROUP, Cluster, create, pool, slo
+from tests.operator.fake_gateway import FakeGateway
 from tests.operator.harness import wait_for
-from tests.operator.test_operator_attainment import gateway_metrics
 
 
 def test_operator_serves_its_probe(cluster: Cluster) -> None:
@@ -281,48 +279,13 @@ def test_operator_restart_changes_nothing(cluster: Cluster) -> None:
 
 def test_attainment_comes_from_gateway_metrics(cluster: Cluster) -> None:
     ns = "e2e-attainment"
-    counts: dict[tuple[str, str], int] = {("chat", "met"): 100, ("chat", "missed"): 100}
-
-    class Metrics(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = gateway_metrics(counts).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    gateway = FakeGateway()
+    gateway.add("chat", met=100, missed=100)  # history before the operator
     try:
         create(cluster, slo("chat", 250, default=True), ns)
         create(cluster, slo("file", 6000, taskType="file"), ns)
         create(cluster, pool("m-prefill", "m"), ns)
-        labels = {
-            "app.kubernetes.io/managed-by": "flowprefill-operator",
-            "flowprefill.io/role": "gateway",
-        }
-        create(
-            cluster,
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": "m-gateway-abc", "labels": labels},
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "gateway",
-                            "image": "g",
-                            "ports": [{"name": "http", "containerPort": server.server_address[1]}],
-                        }
-                    ]
-                },
-                "status": {"phase": "Running", "podIP": "127.0.0.1"},
-            },
-            ns,
-        )
+        create(cluster, gateway.pod("m"), ns)
         # The first scrape is a baseline (history before the operator counts for nothing).
         wait_for(
             lambda: (
@@ -330,8 +293,7 @@ def test_attainment_comes_from_gateway_metrics(cluster: Cluster) -> None:
             ),
             what="baseline",
         )
-        counts[("chat", "met")] += 9
-        counts[("chat", "missed")] += 1
+        gateway.add("chat", met=9, missed=1)
         status = wait_for(
             lambda: (
                 (s := cluster.get("SLOClass", ns, "chat").get("status") or {}).get("requestCount")
@@ -345,4 +307,4 @@ def test_attainment_comes_from_gateway_metrics(cluster: Cluster) -> None:
         assert status["windowSeconds"] == 300
         assert (cluster.get("SLOClass", ns, "file").get("status") or {}).get("requestCount") == 0
     finally:
-        server.shutdown()
+        gateway.server.shutdown()

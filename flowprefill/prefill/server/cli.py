@@ -17,6 +17,7 @@ from flowprefill.contracts.deployment import (
     PREFILL_PORT,
 )
 from flowprefill.contracts.engine import max_blocking_arg
+from flowprefill.contracts.processes import DRAIN_TIMEOUT_FLAG
 from flowprefill.web.limits import add_client_limit_arguments
 
 if TYPE_CHECKING:
@@ -85,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "/v1/completions that name none (body ttft_slo_s, or header x-llm-d-slo-ttft-ms / "
         "x-slo-ttft-ms)",
     )
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on SIGTERM")
+    p.add_argument(
+        DRAIN_TIMEOUT_FLAG, type=float, default=30.0, help="seconds to finish on SIGTERM"
+    )
 
 
 def resolve_config(args: argparse.Namespace) -> EngineConfig:

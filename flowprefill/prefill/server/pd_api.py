@@ -35,7 +35,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flowprefill.contracts.deployment import SLO_CLASS_HEADER, SLO_TTFT_HEADERS, first_header
 from flowprefill.contracts.nixl import wants_remote_decode
-from flowprefill.errors import KVBudgetExceededError
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.server.nixl_sink import NixlSink
 from flowprefill.prefill.server.submit import run_prefill
@@ -112,8 +111,7 @@ def add_pd_route(
         except Exception as e:  # no blocks free, a layout mismatch: decode recomputes
             params = None
             error = f"{type(e).__name__}: {e}"
-            reason = "budget" if isinstance(e, KVBudgetExceededError) else "error"
-            engine.metrics.kv_refused.labels(reason).inc()
+            engine.metrics.count_kv_refusal(e)
         first = int(res.output.first_token_id)
         text = ""
         if isinstance(body.prompt, str):

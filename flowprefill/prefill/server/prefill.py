@@ -121,11 +121,11 @@ def create_app(
                 )
             except KVBudgetExceededError as e:
                 # The first token is still good; decode will recompute the prompt.
-                engine.metrics.kv_refused.labels("budget").inc()
+                engine.metrics.count_kv_refusal(e)
                 log.warning("no KV hand-off for %s (%s); decode will recompute", body.request_id, e)
                 return None
-            except Exception:
-                engine.metrics.kv_refused.labels("error").inc()
+            except Exception as e:
+                engine.metrics.count_kv_refusal(e)
                 log.exception("KV hand-off of %s failed; decode will recompute", body.request_id)
                 return None
             log.debug(

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from flowprefill.contracts.processes import DRAIN_TIMEOUT_FLAG
+
 from ..models import ServingPoolSpec
 
 PRESTOP_SLEEP_S = 15
@@ -41,7 +43,7 @@ GRACE_MARGIN_S = 15
 
 DECODE_SHUTDOWN_FLAG = "--shutdown-timeout"
 """vLLM's drain bound (seconds; 0, its default, aborts in-flight requests)."""
-PREFILL_DRAIN_FLAG = "--drain-timeout"
+PREFILL_DRAIN_FLAG = DRAIN_TIMEOUT_FLAG
 """``flowprefill serve-prefill``'s drain bound (seconds)."""
 
 PROGRESS_MARGIN_S = 600
