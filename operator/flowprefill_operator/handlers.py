@@ -22,6 +22,7 @@ from .controllers.autoscaler import Histories, ScalerRounds
 from .controllers.common import SETTINGS, Context, Health, KeyedLocks, health, now_rfc3339
 from .controllers.scraper import LatestScrapes
 from .controllers.sloclass import ClassSync
+from .finalizer import FINALIZER
 from .kube import Kube, load_client
 from .metrics import OperatorMetrics
 
@@ -36,10 +37,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     """kopf's settings, and the state every controller shares (the memo's objects are
     shared by the per-object copies kopf makes of it)."""
     # kopf's own finalizer, only there while a process runs timers on the pool: released on
-    # a graceful exit (controllers.servingpool.release_finalizers), so uninstalling before
-    # deleting the pools hangs nothing. The name is the one earlier versions used, so the
+    # a graceful exit (controllers.servingpool.release_finalizers), and by the chart's
+    # pre-delete hook once the operator is gone (stop.py), so uninstalling before deleting
+    # the pools hangs nothing. The name is the one earlier versions used, so the
     # finalizer existing pools carry is the one kopf manages and releases.
-    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"

@@ -9,9 +9,17 @@ hang in Terminating. Run before Helm deletes anything, this scales the operator 
 and waits until none of its pods is left, so the operator exits gracefully while it may
 still patch the pools.
 
-Best effort by contract: it gives up after ``--timeout`` seconds and exits 0 all the same,
-so an operator that does not stop never blocks an uninstall (docs/operator.md, "Uninstall",
-says how to release a finalizer left behind). A Deployment already gone is no error.
+Then it releases kopf's finalizer (:data:`..finalizer.FINALIZER`, others stay) from every
+pool in the namespaces the operator served (``--served-namespace``, or
+``--all-namespaces``), because an operator that was killed, crashlooping or never stopped
+left it there. Only kopf's timers needed it, and the operator is being uninstalled. After a
+timeout an operator still running may put it back on a pool it handles (kopf adds its
+finalizer on every event of a pool without it); the output says so.
+
+Best effort by contract: it gives up waiting after ``--timeout`` seconds, reports every API
+error, and exits 0 all the same, so it never blocks an uninstall (docs/operator.md,
+"Uninstall", says how to release a finalizer left behind). A Deployment already gone is no
+error.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from .finalizer import FINALIZER, release_all
 from .kube import ApiError, Kube, load_client
 
 
@@ -62,18 +71,48 @@ def stop_operator(
         time.sleep(poll_s)
 
 
+def release_pools(kube: Kube, namespaces: list[str] | None) -> int:
+    """Release kopf's finalizer from the pools in ``namespaces`` (``None``: all), printing
+    what was released per namespace and every error; the number released."""
+    report = release_all(kube, namespaces)
+    for namespace in sorted(report, key=lambda ns: ns or ""):
+        entry = report[namespace]
+        where = namespace or "(all namespaces)"
+        names = f": {', '.join(sorted(entry.released))}" if entry.released else ""
+        print(f"namespace {where}: released {FINALIZER} from {len(entry.released)} pools{names}")
+        for error in entry.errors:
+            print(f"namespace {where}: not released: {error}", file=sys.stderr)
+    return sum(len(entry.released) for entry in report.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flowprefill_operator.stop")
-    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--namespace", required=True, help="the operator's (the release's)")
     parser.add_argument("--deployment", required=True)
     parser.add_argument("--selector", required=True, help="the Deployment's matchLabels, a=b,c=d")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
+    served = parser.add_mutually_exclusive_group(required=True)
+    served.add_argument(
+        "--served-namespace",
+        action="append",
+        help="a namespace the operator served (repeat for each): release its pools",
+    )
+    served.add_argument(
+        "--all-namespaces", action="store_true", help="the operator served every namespace"
+    )
     args = parser.parse_args(argv)
     kube = Kube(load_client())
     stopped = stop_operator(
         kube, args.namespace, args.deployment, parse_selector(args.selector), args.timeout
     )
     print("operator stopped" if stopped else "operator not confirmed stopped; uninstall goes on")
+    released = release_pools(kube, None if args.all_namespaces else args.served_namespace)
+    print(f"released {FINALIZER} from {released} pools")
+    if not stopped:
+        print(
+            "the operator may still run: it puts its finalizer back on a pool it handles; "
+            "check the pools after the uninstall (docs/operator.md, Uninstall)"
+        )
     return 0
 
 

@@ -213,7 +213,8 @@ def test_users_roles_can_be_turned_off() -> None:
 def test_the_uninstall_hook_may_only_stop_the_operator() -> None:
     """The pre-delete hook (its effect: test_chart_uninstall.py) runs with its own
     ServiceAccount, whose Role may patch the operator's Deployment by name and list pods in
-    the release namespace, nothing else; its pod passes the restricted standard."""
+    the release namespace, nothing else (and, by a second Role, release the served pools'
+    finalizer: test_chart_uninstall.py); its pod passes the restricted standard."""
     from tests.operator.test_chart_security import restricted_violations
 
     hooks = [d for d in render() if is_hook(d)]
@@ -221,7 +222,9 @@ def test_the_uninstall_hook_may_only_stop_the_operator() -> None:
     for doc in hooks:
         assert doc["metadata"]["namespace"] == RELEASE_NAMESPACE
         assert doc["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
-    (role,) = [d for d in hooks if d["kind"] == "Role"]
+    (role,) = [
+        d for d in hooks if d["kind"] == "Role" and d["metadata"]["name"] == "fp-flowprefill-stop"
+    ]
     assert role["rules"] == [
         {"apiGroups": ["apps"], "resources": ["deployments"],
          "resourceNames": ["fp-flowprefill"], "verbs": ["patch"]},
@@ -229,7 +232,11 @@ def test_the_uninstall_hook_may_only_stop_the_operator() -> None:
     ]  # fmt: skip
     (job,) = [d for d in hooks if d["kind"] == "Job"]
     pod = job["spec"]["template"]["spec"]
-    (binding,) = [d for d in hooks if d["kind"] == "RoleBinding"]
+    (binding,) = [
+        d
+        for d in hooks
+        if d["kind"] == "RoleBinding" and d["metadata"]["name"] == role["metadata"]["name"]
+    ]
     assert binding["subjects"][0]["name"] == pod["serviceAccountName"] != "fp-flowprefill"
     assert restricted_violations(pod) == []
     assert pod["containers"][0]["command"] == ["python", "-m", "flowprefill_operator.stop"]

@@ -231,3 +231,189 @@ def test_the_hook_gives_up_without_blocking_the_uninstall(deployment_gone: bool)
     )
     assert stopped is False and kube.lists >= 5
     assert kube.patches == ([] if deployment_gone else [{"spec": {"replicas": 0}}])
+
+
+# ------------------------------------------------- an operator that could not clean up
+
+
+KEEP = "example.com/keep"  # another controller's finalizer: never the hook's to remove
+
+
+def hook_grants(docs: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], list[Any]]:
+    """The hook's rendered RBAC: Role rules by namespace, and ClusterRole rules (every
+    namespace), of the roles bound to the hook Job's ServiceAccount."""
+    job = next(d for d in docs if d["kind"] == "Job" and is_hook(d))
+    account = job["spec"]["template"]["spec"]["serviceAccountName"]
+    bound = {
+        (b["roleRef"]["kind"], b["metadata"].get("namespace"), b["roleRef"]["name"])
+        for b in docs
+        if is_hook(b)
+        and b["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        and [(s["name"], s["namespace"]) for s in b["subjects"]] == [(account, RELEASE_NAMESPACE)]
+    }
+    roles: dict[str, list[Any]] = {}
+    cluster: list[Any] = []
+    for d in docs:
+        key = (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"])
+        if d["kind"] == "Role" and key in bound:
+            roles.setdefault(d["metadata"]["namespace"], []).extend(d["rules"])
+        elif d["kind"] == "ClusterRole" and key in bound:
+            cluster.extend(d["rules"])
+    return roles, cluster
+
+
+class ScopedRBACEmulator(RBACEmulator):
+    """test_namespaced_rbac's emulator plus ClusterRoles: ``cluster_rules`` hold in every
+    namespace and for cluster-wide requests, as a ClusterRoleBinding's do."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.cluster_rules: list[dict[str, Any]] = []
+
+    def _permits(self, verb: str, group: str, resource: str, namespace: str | None) -> bool:
+        return super()._permits(verb, group, resource, namespace) or any(
+            group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+            for r in self.cluster_rules
+        )
+
+
+def run_hook(docs: list[dict[str, Any]], kubeconfig: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *_hook_args(docs)],
+        env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+
+
+def test_after_a_killed_operator_the_hook_releases_the_finalizer(
+    install: Install, tmp_path: Path
+) -> None:
+    """SIGKILL (an OOM kill, a node lost): no cleanup ran, the pools keep kopf's
+    finalizer. The hook, with its own rendered RBAC, releases it once the pod is gone;
+    another controller's finalizer stays; after ``helm uninstall`` the pools go at once."""
+    install.proc.kill()
+    install.proc.wait(30)
+    install.kube.delete("Pod", RELEASE_NAMESPACE, "fp-flowprefill-0")  # the kubelet's part
+    live = install.kube.get("ServingPool", SERVED, "m-prefill")
+    assert live is not None
+    install.kube.patch(
+        "ServingPool", SERVED, "m-prefill",
+        {"metadata": {"finalizers": [*live["metadata"]["finalizers"], KEEP]}},
+    )  # fmt: skip
+    assert sorted(install.finalized_pools()) == ["m-decode", "m-prefill"]
+
+    roles, cluster = hook_grants(install.docs)
+    assert cluster == []  # namespaced mode: Roles only
+    install.emulator.rules = roles  # the operator is dead: its token is now the hook's
+    install.emulator.refused.clear()
+    hook = run_hook(install.docs, _kubeconfig_for(install, tmp_path))
+    assert hook.returncode == 0, hook.stderr
+    assert install.emulator.refused == set()
+    install.helm_deletes_the_release()
+    assert install.finalized_pools() == [], hook.stdout
+    assert "operator stopped" in hook.stdout, hook.stdout
+    assert f"namespace {SERVED}: released {FINALIZER} from 2 pools" in hook.stdout, hook.stdout
+    kept = install.kube.get("ServingPool", SERVED, "m-prefill")
+    assert kept is not None and kept["metadata"]["finalizers"] == [KEEP]
+    for name in ("m-prefill", "m-decode"):
+        install.kube.delete("ServingPool", SERVED, name)
+    assert [p["metadata"]["name"] for p in install.kube.list("ServingPool", SERVED)] == [
+        "m-prefill"
+    ]  # Terminating for KEEP's controller alone, as it should
+    install.kube.patch("ServingPool", SERVED, "m-prefill", {"metadata": {"finalizers": None}})
+    assert install.kube.list("ServingPool", SERVED) == []
+
+
+def _kubeconfig_for(install: Install, tmp_path: Path) -> Path:
+    """A kubeconfig with the token the emulator holds against ``rules``."""
+    import yaml
+
+    config = yaml.safe_load(install.admin_config.read_text())
+    config["users"][0]["user"] = {"token": OPERATOR_TOKEN}
+    path = tmp_path / "hook.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+POOL_RULE = {"apiGroups": ["flowprefill.io"], "resources": ["servingpools"],
+             "verbs": ["get", "list", "patch"]}  # fmt: skip
+STOP_RULES = [
+    {"apiGroups": ["apps"], "resources": ["deployments"],
+     "resourceNames": [DEPLOYMENT], "verbs": ["patch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("scope", ["namespaced", "cluster"])
+def test_the_hooks_rbac_releases_exactly_the_served_pools(
+    scope: str, tmp_path: Path, repo_root: Path
+) -> None:
+    """The rendered hook, under its rendered RBAC and nothing else, releases the pools of
+    the namespaces the operator served (namespaced: those listed; cluster: all) and is
+    refused nothing. Here no operator runs at all (crashlooping, or its Deployment gone)."""
+    docs = render(
+        "--set", f"watch.scope={scope}", "--set", "watch.namespaces={team-a,team-b}",
+        "--set", "modelSources.check=false",
+    )  # fmt: skip
+    roles, cluster = hook_grants(docs)
+    (account,) = [d for d in docs if is_hook(d) and d["kind"] == "ServiceAccount"]
+    for doc in docs:  # created before the Job (weight -10), deleted with it
+        if is_hook(doc) and doc["kind"] != "Job":
+            assert doc["metadata"]["annotations"] == account["metadata"]["annotations"]
+    if scope == "namespaced":
+        assert roles == {RELEASE_NAMESPACE: STOP_RULES, "team-a": [POOL_RULE],
+                         "team-b": [POOL_RULE]}  # fmt: skip
+        assert cluster == []
+    else:
+        assert (roles, cluster) == ({RELEASE_NAMESPACE: STOP_RULES}, [POOL_RULE])
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(emulator_module, "ClusterEmulator", ScopedRBACEmulator)
+    emu = EmulatorThread(sorted((repo_root / "crds").glob("*.yaml"))).start()
+    mp.undo()
+    try:
+        assert isinstance(emu.emulator, ScopedRBACEmulator)
+        admin = kube_for(_kubeconfig(emu, tmp_path / "admin.yaml", None))
+        for ns in ("team-a", "team-b", "elsewhere"):
+            p = pool("m-prefill", "m")
+            meta = {**p["metadata"], "namespace": ns, "finalizers": [FINALIZER, KEEP]}
+            admin.create({**p, "metadata": meta})
+        emu.emulator.rules, emu.emulator.cluster_rules = roles, cluster
+        hook = run_hook(docs, _kubeconfig(emu, tmp_path / "hook.yaml", OPERATOR_TOKEN))
+        assert hook.returncode == 0, hook.stderr
+        assert emu.emulator.refused == set(), hook.stderr
+        assert "operator stopped" in hook.stdout  # no Deployment, no pod: nothing to wait for
+        released = {"team-a", "team-b"} | ({"elsewhere"} if scope == "cluster" else set())
+        for ns in ("team-a", "team-b", "elsewhere"):
+            live = admin.get("ServingPool", ns, "m-prefill")
+            assert live is not None
+            want = [KEEP] if ns in released else [FINALIZER, KEEP]
+            assert live["metadata"]["finalizers"] == want, (ns, hook.stdout)
+            if ns in released:
+                line = f"namespace {ns}: released {FINALIZER} from 1 pools: m-prefill"
+                assert line in hook.stdout, hook.stdout
+        assert f"released {FINALIZER} from {len(released)} pools" in hook.stdout
+    finally:
+        emu.stop()
+
+
+def test_an_operator_still_running_after_the_timeout_puts_it_back(install: Install) -> None:
+    """The hook's timeout passes while the operator runs on (a pod that ignores SIGTERM,
+    a kubelet that is not there): the hook still releases, says the operator was not
+    confirmed stopped, and exits 0. The running operator puts its finalizer back (kopf
+    adds it on the pool's next event), which is why the output says to check the pools."""
+    args = [f"--timeout={2}" if a.startswith("--timeout=") else a for a in _hook_args(install.docs)]
+    hook = subprocess.run(
+        [sys.executable, *args],
+        env={**os.environ, "KUBECONFIG": str(install.admin_config)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert hook.returncode == 0, hook.stderr
+    assert "operator not confirmed stopped" in hook.stdout, hook.stdout
+    assert f"namespace {SERVED}: released {FINALIZER} from 2 pools" in hook.stdout, hook.stdout
+    assert "check the pools" in hook.stdout
+    wait_for(lambda: len(install.finalized_pools()) == 2, 30, "the running operator's finalizer")

@@ -18,6 +18,7 @@ import kopf
 from pydantic import ValidationError
 
 from .. import MANAGED_BY
+from .. import finalizer as finalizer_
 from ..builders import (
     PoolRef,
     build_pool_children,
@@ -307,17 +308,9 @@ def served_pools(namespace: str | None, name: str, **_: Any) -> dict[None, tuple
 
 
 def release_finalizer(ctx: Context, namespace: str, name: str, finalizer: str) -> bool:
-    """Remove ``finalizer`` from one pool (others' finalizers stay); True if it was there.
-    The resourceVersion in the patch makes a concurrent finalizer change a 409, not a loss."""
-    live = ctx.kube.get("ServingPool", namespace, name)
-    finalizers = list((live or {}).get("metadata", {}).get("finalizers") or [])
-    if live is None or finalizer not in finalizers:
-        return False
-    rest = [f for f in finalizers if f != finalizer]
-    version = live["metadata"]["resourceVersion"]
-    patch = {"metadata": {"finalizers": rest or None, "resourceVersion": version}}
-    ctx.kube.patch("ServingPool", namespace, name, patch)
-    return True
+    """Remove ``finalizer`` from one pool, others' stay (the one implementation, shared
+    with the chart's pre-delete hook: :func:`..finalizer.release_finalizer`)."""
+    return finalizer_.release_finalizer(ctx.kube, namespace, name, finalizer)
 
 
 @kopf.on.cleanup()
