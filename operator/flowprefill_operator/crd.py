@@ -23,7 +23,7 @@ from pydantic.json_schema import JsonDict
 from . import GROUP, VERSION
 from .models import ServingPoolSpec, ServingPoolStatus, SLOClassSpec, SLOClassStatus
 from .models.common import cel
-from .models.gateway import GATEWAY_SUFFIX, RESERVED_POOL_NAME
+from .models.gateway import ESCAPED_NAME_TOO_LONG, ESCAPED_POOL_NAME, MAX_ESCAPED_NAME
 
 _DROP = {"title", "$defs"}
 _ORDER = {"type": 0, "description": 1, "required": 2, "properties": 3}
@@ -108,9 +108,10 @@ SERVINGPOOL = ResourceKind(
             "name must be a DNS-1035 label (it names the pool's Service)",
         ),
         cel(
-            # Any service's, not only its own: a pool's children take the pool's name.
-            f"!self.metadata.name.endsWith('{GATEWAY_SUFFIX}')",
-            RESERVED_POOL_NAME,
+            # Such a pool's Deployment and Service get a suffix (models.gateway).
+            f"!self.metadata.name.matches('{ESCAPED_POOL_NAME.pattern}')"
+            f" || size(self.metadata.name) <= {MAX_ESCAPED_NAME}",
+            ESCAPED_NAME_TOO_LONG,
         ),
     ],
 )

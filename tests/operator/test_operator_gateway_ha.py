@@ -21,7 +21,14 @@ import pytest
 from flowprefill_operator.builders import PoolRef, build_gateway_children, gateway_name
 from flowprefill_operator.builders.gateway_ha import HOSTNAME_TOPOLOGY
 from flowprefill_operator.models import ServingPoolSpec, SLOTable
-from flowprefill_operator.models.gateway import GATEWAY_SUFFIX, MIN_ABOVE_MAX
+from flowprefill_operator.models.gateway import (
+    ESCAPED_NAME_TOO_LONG,
+    GATEWAY_SUFFIX,
+    MAX_ESCAPED_NAME,
+    MIN_ABOVE_MAX,
+    pool_name_problem,
+    pool_workload_name,
+)
 from flowprefill_operator.settings import OperatorSettings
 from pydantic import ValidationError
 
@@ -275,14 +282,30 @@ def _pool_cr(name: str, service: str) -> dict[str, Any]:
     }
 
 
-def test_no_pool_can_take_another_services_gateway_name(crd_schemas: Any) -> None:
+def test_no_two_children_of_any_services_share_a_name() -> None:
     # Pool a-gateway of service b would name its Deployment and Service a-gateway: the
-    # names of service a's gateway. The gateway's suffix is no valid pool-name ending.
+    # names of service a's gateway. Such pools get an escape suffix, itself escaped.
     assert gateway_name("a") == "a" + GATEWAY_SUFFIX
-    refused = validate_cr(_pool_cr("a-gateway", "b"), crd_schemas)
-    assert any("reserved" in e for e in refused)
-    assert validate_cr(_pool_cr("a-gateway-prefill", "b"), crd_schemas) == []
-    assert validate_cr(_pool_cr("gateway", "b"), crd_schemas) == []
+    pools = ["a", "a-gateway", "a-gateway-pool", "a-gateway-pool-pool", "a-pool", "gateway"]
+    services = ["a", "a-gateway", "a-gateway-pool", "b"]
+    names = [pool_workload_name(p) for p in pools] + [gateway_name(s) for s in services]
+    assert len(set(names)) == len(names)
+    assert pool_workload_name("a-gateway") == "a-gateway-pool"
+    # Every other name, all of them in practice, is unchanged.
+    for unchanged in ("a", "a-pool", "gateway", "a-gateway-prefill", "m-decode"):
+        assert pool_workload_name(unchanged) == unchanged
+
+
+def test_an_escaped_pool_name_must_leave_room_for_its_suffix(crd_schemas: Any) -> None:
+    longest = "g" * (MAX_ESCAPED_NAME - len(GATEWAY_SUFFIX)) + GATEWAY_SUFFIX
+    assert validate_cr(_pool_cr(longest, "b"), crd_schemas) == []
+    assert len(pool_workload_name(longest)) == 63  # a DNS-1035 label's limit
+    refused = validate_cr(_pool_cr("g" + longest, "b"), crd_schemas)
+    assert refused and all(ESCAPED_NAME_TOO_LONG in e for e in refused)
+    assert pool_name_problem("g" + longest) == ESCAPED_NAME_TOO_LONG
+    # Unescaped names keep the DNS label limit alone.
+    assert validate_cr(_pool_cr("p" * 63, "b"), crd_schemas) == []
+    assert pool_name_problem("p" * 63) is None
 
 
 # ---- against the emulator ------------------------------------------------------------
@@ -330,27 +353,30 @@ def test_the_budget_hpa_and_route_follow_the_pool_on_a_cluster(
     wait_for(lambda: cluster.kube.get("HTTPRoute", ns, "m-gateway") is None, what="route gone")
 
 
-def test_a_pool_named_like_another_services_gateway_takes_nothing_of_it(
+def test_services_whose_names_would_collide_both_get_their_own_children(
     cluster: Cluster,
 ) -> None:
-    # The emulator has no CEL, as a cluster that admitted the pool under an older CRD.
     ns = "gateway-names"
     create(cluster, pool("a-gateway", "b", role="decode"), ns)
     create(cluster, pool("b-prefill", "b"), ns)
     create(cluster, pool("a-prefill", "a"), ns)
-    expected = {"a-prefill", "b-prefill", "a-gateway", "b-gateway"}
+    expected = {"a-prefill", "b-prefill", "a-gateway-pool", "a-gateway", "b-gateway"}
     wait_for(lambda: cluster.names("Deployment", ns) == expected, what="both services' children")
-    time.sleep(3)  # several reconciles (1 s timers): nothing flips the gateway over
+    assert expected - {"a-prefill", "b-prefill", "a-gateway-pool"} <= cluster.names("Service", ns)
+    time.sleep(3)  # several reconciles (1 s timers): nothing flips either over
     for kind in ("Deployment", "Service"):
         labels = cluster.get(kind, ns, "a-gateway")["metadata"]["labels"]
         assert (labels["flowprefill.io/service"], labels["flowprefill.io/role"]) == ("a", "gateway")
-    # Service b's gateway does not send requests to service a's gateway either.
+        labels = cluster.get(kind, ns, "a-gateway-pool")["metadata"]["labels"]
+        assert (labels["flowprefill.io/service"], labels["flowprefill.io/role"]) == ("b", "decode")
+    # Service b's gateway sends its decode requests to the pool's own Service.
     b_config = json.loads(cluster.get("ConfigMap", ns, "b-gateway")["data"]["gateway.json"])
-    assert [e["pool"] for e in b_config["prefill"] + b_config["decode"]] == ["b-prefill"]
-    wait_for(lambda: cluster.condition(ns, "a-gateway", "Degraded")[0] == "True", what="refused")
-    message = next(
-        c["message"]
-        for c in cluster.get("ServingPool", ns, "a-gateway")["status"]["conditions"]
-        if c["type"] == "Degraded"
-    )
-    assert "reserved" in message
+    decode = b_config["decode"]
+    assert [e["pool"] for e in decode] == ["a-gateway"]
+    assert decode[0]["url"].startswith("http://a-gateway-pool.gateway-names.svc.")
+    a_config = json.loads(cluster.get("ConfigMap", ns, "a-gateway")["data"]["gateway.json"])
+    assert [e["pool"] for e in a_config["prefill"] + a_config["decode"]] == ["a-prefill"]
+    # The pool's status reads its own Deployment, not the gateway's.
+    wait_for(lambda: cluster.condition(ns, "a-gateway", "Degraded")[0] == "False", what="fine")
+    status = cluster.get("ServingPool", ns, "a-gateway")["status"]
+    assert status["selector"].endswith("flowprefill.io/pool=a-gateway")

@@ -275,8 +275,10 @@ def test_role_and_service_are_immutable(crd_schemas: Any) -> None:
 
 def test_pool_name_rules(crd_schemas: Any) -> None:
     obj = _pool()
-    obj["metadata"]["name"] = "m-gateway"
-    assert any("reserved" in e for e in validate_cr(obj, crd_schemas))
+    obj["metadata"]["name"] = "m-gateway"  # runs as m-gateway-pool (test_operator_gateway_ha)
+    assert validate_cr(obj, crd_schemas) == []
+    obj["metadata"]["name"] = "M"
+    assert any("DNS-1035" in e for e in validate_cr(obj, crd_schemas))
 
 
 def _slo(**spec: Any) -> dict[str, Any]:

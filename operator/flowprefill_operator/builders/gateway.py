@@ -13,7 +13,7 @@ from flowprefill.contracts.deployment import (
 )
 from flowprefill.contracts.processes import ProcessSpec, gateway_process
 
-from ..models.gateway import GATEWAY_SUFFIX
+from ..models.gateway import GATEWAY_SUFFIX, pool_workload_name
 from ..settings import OperatorSettings
 from . import rollout
 from .common import (
@@ -48,7 +48,7 @@ from .pool import IMAGE, pool_port
 def gateway_name(service: str) -> str:
     """The gateway's Deployment, Service, ConfigMap, PDB, HPA and HTTPRoute. Unique: no
     other service's gateway ends in the same name, and no pool may end its name in
-    :data:`GATEWAY_SUFFIX` (the CRD's rule), pools' children being named after them."""
+    :data:`GATEWAY_SUFFIX` (:func:`pool_workload_name` escapes it in pools' children)."""
     return f"{service}{GATEWAY_SUFFIX}"
 
 
@@ -76,7 +76,7 @@ def build_gateway_config(pools: list[PoolRef], settings: OperatorSettings) -> Ga
     first = pools[0]
 
     def endpoint(pool: PoolRef) -> Endpoint:
-        host = f"{pool.name}.{pool.namespace}.svc.{settings.cluster_domain}"
+        host = f"{pool_workload_name(pool.name)}.{pool.namespace}.svc.{settings.cluster_domain}"
         return Endpoint.at(pool.name, host, pool_port(pool.spec))
 
     ordered = sorted(pools, key=lambda p: p.name)

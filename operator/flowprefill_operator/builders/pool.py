@@ -21,6 +21,7 @@ from flowprefill.contracts.processes import (
 )
 
 from ..models import ServingPoolSpec
+from ..models.gateway import pool_workload_name
 from ..models.kvhandoff import DEFAULT_BUDGET, KVHandoff
 from ..settings import OperatorSettings
 from . import nixl, rollout
@@ -325,7 +326,10 @@ def build_deployment(
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata(
-            pool.name, pool.namespace, labels, [owner_reference(pool, controller=True)]
+            pool_workload_name(pool.name),
+            pool.namespace,
+            labels,
+            [owner_reference(pool, controller=True)],
         ),
         "spec": {
             "replicas": spec.replicas,  # the pool's /scale is the one owner of this number
@@ -351,7 +355,10 @@ def build_pool_service(pool: PoolRef) -> Manifest:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(
-            pool.name, pool.namespace, labels, [owner_reference(pool, controller=True)]
+            pool_workload_name(pool.name),
+            pool.namespace,
+            labels,
+            [owner_reference(pool, controller=True)],
         ),
         "spec": {
             "clusterIP": "None",

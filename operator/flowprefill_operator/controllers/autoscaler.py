@@ -39,6 +39,7 @@ from ..kube import ApiError
 from ..metrics import OperatorMetrics
 from ..models import ServingPoolSpec, ServingPoolStatus
 from ..models.autoscaling import AutoscalerHistory, Autoscaling
+from ..models.gateway import pool_workload_name
 from ..scaling import (
     ServedClass,
     class_signals,
@@ -149,7 +150,7 @@ def decide(
     observation = observe_pool(
         now_s,
         pool.spec.replicas,
-        ctx.kube.get("Deployment", namespace, name),
+        ctx.kube.get("Deployment", namespace, pool_workload_name(name)),
         ctx.kube.list("Pod", namespace, pool_selector(name)),
         float(auto.warmup_seconds),
     )

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from ..builders import PoolRef, SLOClassView
 from ..models import ServingPoolSpec, SLOClassSpec
-from ..models.gateway import reserved_pool_name
+from ..models.gateway import pool_name_problem
 from .common import CLASSES, POOLS, validation_message
 
 ServiceKey = tuple[str, str]  # (namespace, service)
@@ -61,8 +61,8 @@ def pools_by_service(
         spec = ServingPoolSpec.model_validate(dict(body.get("spec") or {}))
     except ValidationError:
         return {}
-    if reserved_pool_name(name):
-        return {}  # its children would take a gateway's names (reconcile_pool reports it)
+    if pool_name_problem(name):
+        return {}  # its Service's name would not fit (reconcile_pool reports it)
     return {(namespace, spec.service): PoolRef(name, namespace, uid, spec)}
 
 

@@ -33,7 +33,7 @@ from ..builders.overlay import OverlayConflict
 from ..builders.pool import engine_configmap_name
 from ..kube import ApiError
 from ..models import ServingPoolSpec, ServingPoolStatus
-from ..models.gateway import reserved_pool_name
+from ..models.gateway import pool_name_problem, pool_workload_name
 from ..status import Observed, Problem, fold_status, pod_problems
 from .common import (
     POOLS,
@@ -124,18 +124,15 @@ def reconcile_pool(
         selector = selector_string(pool_selector(name))
         try:
             spec = ServingPoolSpec.model_validate(raw_spec)
-            if reserved := reserved_pool_name(name):  # the CRD's rule on the name
-                raise ValueError(reserved)
+            if problem := pool_name_problem(name):  # the CRD's rule on the name
+                raise ValueError(problem)
         except ValueError as e:  # pydantic's ValidationError is one
             message = validation_message(e) if isinstance(e, ValidationError) else str(e)
             replicas = raw_spec.get("replicas")
             observed = Observed(
                 generation=generation,
                 desired_replicas=replicas if isinstance(replicas, int) else 0,
-                # A reserved name's Deployment is a gateway's, not this pool's.
-                deployment=None
-                if reserved_pool_name(name)
-                else ctx.kube.get("Deployment", namespace, name),
+                deployment=ctx.kube.get("Deployment", namespace, pool_workload_name(name)),
                 problems=[Problem("InvalidSpec", message, invalid_spec=True)],
             )
             status = fold_status(observed, previous, now_rfc3339(), selector=selector, gateway="")
@@ -176,7 +173,7 @@ def reconcile_pool(
         observed = Observed(
             generation=generation,
             desired_replicas=spec.replicas,
-            deployment=ctx.kube.get("Deployment", namespace, name),
+            deployment=ctx.kube.get("Deployment", namespace, pool_workload_name(name)),
             pods=ctx.kube.list("Pod", namespace, pool_selector(name)),
             problems=problems,
         )
@@ -216,8 +213,8 @@ def delete_pool(ctx: Context, body: Body, peers: list[PoolRef], classes: list[Cl
     namespace, name = meta["namespace"], meta["name"]
     with ctx.locks("pool", namespace, name):
         for kind, child in (
-            ("Deployment", name),
-            ("Service", name),
+            ("Deployment", pool_workload_name(name)),
+            ("Service", pool_workload_name(name)),
             ("ConfigMap", engine_configmap_name(name)),
         ):
             ctx.kube.delete_managed(kind, namespace, child, MANAGED_BY)

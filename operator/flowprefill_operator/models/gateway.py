@@ -6,14 +6,24 @@ the gateway uses (the service's first prefill pool by name); the others' are ign
 
 from __future__ import annotations
 
+import re
+
 from pydantic import ConfigDict, Field, model_validator
 
 from .common import DNS_LABEL, CRModel, cel
 
 GATEWAY_SUFFIX = "-gateway"
-"""The ending of the gateway's child names (``<service>-gateway``). No pool may end its
-name with it (the CRD refuses it): a pool's Deployment and Service take the pool's name,
-so a pool ``a-gateway`` of service ``b`` would take service ``a``'s gateway objects."""
+"""The ending of the gateway's child names (``<service>-gateway``)."""
+
+ESCAPE_SUFFIX = "-pool"
+"""Appended to the child names of a pool whose own name could be a gateway's (below)."""
+
+ESCAPED_POOL_NAME = re.compile(f"{GATEWAY_SUFFIX}({ESCAPE_SUFFIX})*$")
+"""Pool names whose Deployment and Service take :data:`ESCAPE_SUFFIX`: ``…-gateway``,
+``…-gateway-pool``, ``…-gateway-pool-pool`` …"""
+
+MAX_ESCAPED_NAME = 63 - len(ESCAPE_SUFFIX)
+"""The longest such pool name: its Service's name, a DNS-1035 label, must fit 63."""
 
 MIN_ABOVE_MAX = "minReplicas must not exceed maxReplicas"
 
@@ -108,13 +118,30 @@ class GatewaySpec(CRModel):
     )
 
 
-RESERVED_POOL_NAME = (
-    f"a name ending in {GATEWAY_SUFFIX} is reserved for the services' gateways "
-    f"(<service>{GATEWAY_SUFFIX}, whatever the pool's service)"
+def pool_workload_name(pool: str) -> str:
+    """The name of a pool's Deployment and Service: the pool's own name, except for a name
+    that :data:`ESCAPED_POOL_NAME` matches, which gets :data:`ESCAPE_SUFFIX`.
+
+    Contract: no two pools, and no pool and a gateway, of any services in a namespace get
+    the same name. Unescaped results never match the pattern, escaped ones always do and
+    end in ``-pool`` (so they are no gateway's ``<service>-gateway``), and stripping one
+    suffix gives the pool back. So pool ``a-gateway`` of service ``b`` runs as
+    ``a-gateway-pool`` beside service ``a``'s gateway, and pool ``a-gateway-pool`` as
+    ``a-gateway-pool-pool``. Every other name (all of them in practice) is unchanged.
+    """
+    return f"{pool}{ESCAPE_SUFFIX}" if ESCAPED_POOL_NAME.search(pool) else pool
+
+
+ESCAPED_NAME_TOO_LONG = (
+    f"a pool whose name ends in {GATEWAY_SUFFIX} (or {GATEWAY_SUFFIX}{ESCAPE_SUFFIX}...) names its "
+    f"Deployment and Service <name>{ESCAPE_SUFFIX}, so that no service's gateway "
+    f"(<service>{GATEWAY_SUFFIX}) shares them; such a name may have at most "
+    f"{MAX_ESCAPED_NAME} characters"
 )
 
 
-def reserved_pool_name(name: str) -> str | None:
+def pool_name_problem(name: str) -> str | None:
     """Why a pool may not have ``name`` (the CRD's rule, in Python, for pools admitted
     without it: an older CRD, the emulator); None when it may."""
-    return RESERVED_POOL_NAME if name.endswith(GATEWAY_SUFFIX) else None
+    too_long = ESCAPED_POOL_NAME.search(name) and len(name) > MAX_ESCAPED_NAME
+    return ESCAPED_NAME_TOO_LONG if too_long else None
