@@ -186,6 +186,28 @@ def refusal(status: int, plural: str, name: str, verb: str) -> tuple[str, str]:
     return "InternalError", f"{plural} {name!r}: forced error {status}"
 
 
+def stale_version(
+    plural: str, group: str, name: str, stored: dict[str, Any], body: Any
+) -> str | None:
+    """The message of the 409 Conflict the API server answers a write with whose body
+    carries a ``metadata.resourceVersion`` other than the stored object's; None when it
+    carries none or the current one. Optimistic concurrency (api-conventions.md,
+    "Concurrency Control and Consistency"): a merge-patched object keeps the patch's
+    version and the registry's update precondition compares it with the stored one, on
+    /status and /scale too; so does a replace. (A JSON patch states the version in a
+    ``test`` operation instead, checked where the patch is applied.)"""
+    if not isinstance(body, dict):
+        return None
+    wanted = (body.get("metadata") or {}).get("resourceVersion")
+    if wanted is None or str(wanted) == str(stored["metadata"].get("resourceVersion")):
+        return None
+    resource = f"{plural}.{group}" if group else plural
+    return (
+        f'Operation cannot be fulfilled on {resource} "{name}": the object has been '
+        "modified; please apply your changes to the latest version and try again"
+    )
+
+
 _REQ = re.compile(
     r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w.-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$"
 )

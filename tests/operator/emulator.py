@@ -6,7 +6,8 @@ change nothing (no new resourceVersion, no watch event); ``/status`` and ``/scal
 subresources with their real semantics (the main endpoint ignores status; /scale reads and
 writes ``spec.replicas`` as an ``autoscaling/v1`` Scale); list resourceVersions and label
 selectors; watches that subscribe before listing and resume from ``?resourceVersion=``;
-finalizers and ``deletionTimestamp``; what the API server does to built-in objects on
+finalizers and ``deletionTimestamp``; 409 Conflict for a write that carries a stale
+``metadata.resourceVersion``; what the API server does to built-in objects on
 every write (defaults, canonical quantities, omitempty: :mod:`.apiserver`); refusals a
 test forces on one object (403, 422); a count of the writes each object received;
 garbage collection by ownerReferences. Not emulated: admission/validation, server-side
@@ -34,7 +35,13 @@ import jsonpatch
 import kmock
 import yaml
 
-from tests.operator.apiserver import normalise, parse_selector, refusal, selector_matches
+from tests.operator.apiserver import (
+    normalise,
+    parse_selector,
+    refusal,
+    selector_matches,
+    stale_version,
+)
 
 Key = tuple[kmock.resource, str | None, str]
 
@@ -310,6 +317,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
         patch = request.data
         sub = request.subresource
+        # Optimistic concurrency as the API server has it: a stale version is a 409.
+        conflict = stale_version(plural, key[0].group or "", key[2], before, patch)
+        if conflict:
+            raise kmock.KubernetesError(status=409, reason="Conflict", message=conflict)
         if sub == "scale":
             replicas = (patch or {}).get("spec", {}).get("replicas")
             after = merge_patch(before, {"spec": {"replicas": replicas}})

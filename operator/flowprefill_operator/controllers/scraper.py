@@ -1,6 +1,7 @@
 """Attainment controller: scrapes the gateways' SLO counters and writes each SLOClass's
 observed attainment over the window (status ``attainment``, ``requestCount``,
-``shedCount``, ``windowSeconds``); it owns the
+``shedCount``, ``windowSeconds``, ``attainmentTime`` and the ``Degraded`` condition,
+written with optimistic concurrency beside the class sync's ``Ready``); it owns the
 :class:`~flowprefill_operator.attainment.AttainmentTracker` (kept in kopf's memo; the
 autoscaler reads its windows too) and only those status fields.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +32,7 @@ from ..attainment import AttainmentTracker, Sample, fetch_text, scrape
 from ..builders.common import ROLE_LABEL, SERVICE_LABEL
 from ..classstatus import attainment_patch
 from ..kube import ApiError
+from ..statuspatch import patch_status
 from .common import POOLS, SETTINGS, Context, context, from_memo
 from .indexes import ClassEntry, class_index, classes_of
 
@@ -127,14 +130,30 @@ def write_attainment(
             "shedCount": round(att.shed) if att else 0,
             "windowSeconds": int(ctx.settings.attainment_window_s),
         }
-        spec, now = entry.view.spec, datetime.now(UTC)
-        target = spec.attainment_target if spec else None
-        patch = attainment_patch(entry.status, fields, target, entry.view.generation, now)
-        if patch is None:
-            continue  # unchanged, or a small change written recently (classstatus' rule)
-        ctx.kube.patch("SLOClass", namespace, entry.name, patch, sub="status")
-        writes += 1
+        writes += write_class_attainment(ctx, namespace, entry, fields)
     return writes
+
+
+def write_class_attainment(
+    ctx: Context, namespace: str, entry: ClassEntry, fields: dict[str, Any]
+) -> bool:
+    """Write one class's window ``fields`` with its Degraded condition if the write-rate
+    rule (:func:`..classstatus.attainment_patch`) says so; True if written.
+
+    The index's copy of the status decides whether to look at all (the common case every
+    interval: nothing due, no request). When a write is due, the patch is computed again
+    from the live object and sent with its resourceVersion
+    (:func:`..statuspatch.patch_status`), so that the conditions list it carries has the
+    class sync's current Ready condition, not the index's possibly older one."""
+    spec, now = entry.view.spec, datetime.now(UTC)
+    target = spec.attainment_target if spec else None
+
+    def patch(status: Mapping[str, Any]) -> dict[str, Any] | None:
+        return attainment_patch(status, fields, target, entry.view.generation, now)
+
+    if patch(entry.status) is None:
+        return False  # unchanged, or a small change written recently (classstatus' rule)
+    return patch_status(ctx.kube, "SLOClass", namespace, entry.name, patch)
 
 
 @kopf.timer(*POOLS, id="attainment", interval=SETTINGS.attainment_interval_s, initial_delay=1.0)

@@ -18,6 +18,7 @@ import base64
 import binascii
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -26,6 +27,7 @@ from ..builders import PoolRef, Verdict, judge_classes, sha256_hex
 from ..classstatus import ready_condition, set_condition
 from ..kube import ApiError
 from ..models import SLOClassStatus
+from ..statuspatch import patch_status
 from .common import (
     CLASSES,
     POOLS,
@@ -100,11 +102,14 @@ def judge(ctx: Context, namespace: str, entries: list[ClassEntry]) -> JudgedClas
     return JudgedClasses(views, secrets, judge_classes(views, secrets))
 
 
-def write_verdict(ctx: Context, entry: ClassEntry, verdict: Verdict) -> bool:
-    """Patch the verdict into the class's status, with its Ready condition
-    (:mod:`..classstatus`), unless it is there already. The Degraded condition is the
-    attainment job's and is kept as it is."""
-    previous: SLOClassStatus = parse_status(SLOClassStatus, dict(entry.status))
+def verdict_patch(
+    status: Mapping[str, Any], entry: ClassEntry, verdict: Verdict, now: str
+) -> dict[str, Any] | None:
+    """The status merge patch that puts ``verdict`` and its Ready condition
+    (:mod:`..classstatus`) into ``status``, or None when they are there already. The
+    conditions list is sent whole (a merge patch replaces lists): the Degraded condition
+    is the attainment job's and goes back as ``status`` has it."""
+    previous: SLOClassStatus = parse_status(SLOClassStatus, dict(status))
     ready = ready_condition(
         verdict.accepted, verdict.reason, verdict.message, entry.view.generation
     )
@@ -114,16 +119,31 @@ def write_verdict(ctx: Context, entry: ClassEntry, verdict: Verdict) -> bool:
             "reason": verdict.reason,
             "message": verdict.message,
             "observed_generation": entry.view.generation,
-            "conditions": set_condition(previous.conditions, ready, now_rfc3339()),
+            "conditions": set_condition(previous.conditions, ready, now),
         }
     )
     if wanted.wire() == previous.wire():
-        return False
+        return None
     fields = ("accepted", "reason", "message", "observedGeneration", "conditions")
-    patch = {"status": {k: v for k, v in wanted.wire().items() if k in fields}}
-    meta = entry.ref["metadata"]
-    ctx.kube.patch("SLOClass", meta["namespace"], meta["name"], patch, sub="status")
-    return True
+    return {"status": {k: v for k, v in wanted.wire().items() if k in fields}}
+
+
+def write_verdict(ctx: Context, entry: ClassEntry, verdict: Verdict) -> bool:
+    """Patch the verdict into the class's status unless it is there already; True if
+    written. The patch is computed from the live object, not the index's copy, and sent
+    with its resourceVersion (:func:`..statuspatch.patch_status`): an attainment write in
+    between is a 409 and a fresh read, never a Degraded condition put back as it was.
+    Deciding from the live status also covers an index copy that lags behind our own
+    last write of the class; a sync runs only when a class's spec or labels change (or
+    one failed), so these reads are rare."""
+    meta, now = entry.ref["metadata"], now_rfc3339()
+    return patch_status(
+        ctx.kube,
+        "SLOClass",
+        meta["namespace"],
+        meta["name"],
+        lambda status: verdict_patch(status, entry, verdict, now),
+    )
 
 
 def sync_classes(
