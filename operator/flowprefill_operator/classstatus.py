@@ -9,6 +9,11 @@ Conditions (Kubernetes style; ``lastTransitionTime`` kept while the status holds
   ``AttainmentMet``, or ``NoTraffic`` when the window holds fewer requests than that (a
   handful of requests says nothing either way).
 
+Two controllers write them (Ready the class sync, Degraded the attainment job), each
+sending the whole list a merge patch replaces; the patches here are computed from the
+live status and sent with its resourceVersion (:mod:`.statuspatch`), so neither puts
+back an old copy of the other's condition.
+
 Write rate. Attainment, ``requestCount`` and ``shedCount`` change with every request, and
 the scraper folds them every ``attainmentIntervalSeconds`` (30 s); writing each change
 would rewrite every class in etcd twice a minute for numbers Prometheus already has. So
