@@ -46,6 +46,14 @@ class OperatorSettings(BaseModel):
         "chart's children.gatewayRouteParentRefs; JSON in the environment); empty: a route "
         "only for services whose pool sets gateway.httpRoute.parentRefs.",
     )
+    max_pools_updating: int = Field(
+        default=1,
+        ge=0,
+        description="Pools that may roll a pod-template change of the operator's own (an "
+        "upgrade, new default images) at once, across every namespace it serves; the rest "
+        "wait with condition UpdatePending (the chart's operator.maxPoolsUpdating; 0 = no "
+        "limit). A change of a pool's spec is applied at once.",
+    )
     cluster_domain: str = Field(default="cluster.local", description="Cluster DNS domain.")
     reconcile_interval_s: float = Field(
         default=30.0, gt=0, description="Timer: re-apply children and fold their state into status."

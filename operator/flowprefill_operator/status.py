@@ -48,6 +48,8 @@ class Observed:
     deployment: dict[str, Any] | None
     pods: list[dict[str, Any]] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    update_pending: str | None = None
+    """Why a new pod template from the operator waits (controllers.upgrades), if it does."""
 
 
 def pod_problems(pods: list[dict[str, Any]]) -> list[Problem]:
@@ -186,6 +188,15 @@ def fold_status(
             degraded is not None,
             degraded.reason if degraded else "AsExpected",
             "; ".join(p.message for p in problems) if problems else "",
+            prev,
+            now,
+            gen,
+        ),
+        _condition(
+            "UpdatePending",
+            observed.update_pending is not None,
+            "OperatorUpdateWaiting" if observed.update_pending else "UpToDate",
+            observed.update_pending or "",
             prev,
             now,
             gen,

@@ -123,4 +123,12 @@ def test_same_observation_twice_gives_identical_status() -> None:
     assert second == first  # transition times kept: nothing to write
     ready = fold(Observed(1, 2, dep(2, 2, 2)), previous=first, now="T3")
     times = {c.type: c.last_transition_time for c in ready.conditions}
-    assert times == {"Ready": "T3", "Progressing": "T3", "Degraded": "T1"}
+    assert times == {"Ready": "T3", "Progressing": "T3", "Degraded": "T1", "UpdatePending": "T1"}
+
+
+def test_a_waiting_operator_update_is_a_condition_not_a_problem() -> None:
+    waiting = fold(Observed(1, 2, dep(2, 2, 2), update_pending="waits for ns/p1"), now="T1")
+    assert cond(waiting, "UpdatePending") == ("True", "OperatorUpdateWaiting")
+    assert cond(waiting, "Ready") == ("True", "PodsReady")  # the old pods serve
+    assert cond(waiting, "Degraded")[0] == "False" and waiting.phase == "Ready"
+    assert cond(fold(Observed(1, 2, dep(2, 2, 2))), "UpdatePending") == ("False", "UpToDate")

@@ -11,6 +11,7 @@ classes come from the indexes; Events are returned as data and posted by the han
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,7 @@ from .indexes import ClassEntry, class_index, classes_of, pool_index, pools_of
 from .kvcheck import kv_mismatch, nixl_problems
 from .modelcheck import model_problems
 from .sloclass import judge
+from .upgrades import gate_deployment
 
 
 @dataclass
@@ -108,12 +110,18 @@ def preflight(ctx: Context, pool: PoolRef, peers: list[PoolRef]) -> list[Problem
 
 
 def reconcile_pool(
-    ctx: Context, body: Body, peers: list[PoolRef], classes: list[ClassEntry]
+    ctx: Context,
+    body: Body,
+    peers: list[PoolRef],
+    classes: list[ClassEntry],
+    served: Collection[str] = (),
 ) -> PoolResult:
     """Converge one pool's children, its service's gateway and its status.
 
     ``peers``: the pools of its service as indexed (this one included once its spec is
-    valid); ``classes``: the namespace's SLOClasses.
+    valid); ``classes``: the namespace's SLOClasses; ``served``: the namespaces of every
+    pool this operator serves (where operator-caused rollouts are counted, see
+    :mod:`.upgrades`; the pool's own is always one).
     """
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -150,13 +158,22 @@ def reconcile_pool(
         blocked = any(p.blocks_pods or p.invalid_spec for p in problems)
         # Pods that cannot start: keep what runs (if anything) as it is. A refused child
         # goes first in the list: it is the Degraded reason, and Ready is False.
-        problems = (
-            apply_children(
-                ctx.kube,
-                (m for m in children if not (blocked and m["kind"] == "Deployment")),
-            )
-            + problems
-        )
+        applied = apply_children(ctx.kube, (m for m in children if m["kind"] != "Deployment"))
+        pending = None
+        if not blocked:
+            deployment = next(m for m in children if m["kind"] == "Deployment")
+            # One decision at a time: two pools must not take the wave's last slot together.
+            with ctx.locks("upgrade-gate"):
+                gate = gate_deployment(
+                    ctx.kube,
+                    deployment,
+                    raw_spec,
+                    {namespace, *served},
+                    ctx.settings.max_pools_updating,
+                )
+                applied = apply_children(ctx.kube, [gate.deployment]) + applied
+            pending = gate.pending
+        problems = applied + problems
         gateway_problems = sync_gateway(
             ctx, namespace, spec.service, peers, judge(ctx, namespace, classes)
         )
@@ -176,6 +193,7 @@ def reconcile_pool(
             deployment=ctx.kube.get("Deployment", namespace, pool_workload_name(name)),
             pods=ctx.kube.list("Pod", namespace, pool_selector(name)),
             problems=problems,
+            update_pending=pending,
         )
         status = fold_status(
             observed,
@@ -231,14 +249,17 @@ def delete_pool(ctx: Context, body: Body, peers: list[PoolRef], classes: list[Cl
 
 def _inputs(
     body: kopf.Body, kwargs: dict[str, Any]
-) -> tuple[Body, list[PoolRef], list[ClassEntry]]:
-    """The body as a plain dict, the pools of its service and its namespace's classes."""
+) -> tuple[Body, list[PoolRef], list[ClassEntry], set[str]]:
+    """The body as a plain dict, the pools of its service, its namespace's classes and
+    the namespaces of every pool served."""
     raw = dict(body)
     namespace = raw["metadata"]["namespace"]
     service = (raw.get("spec") or {}).get("service")
     pools = pool_index(kwargs)
     peers = pools_of(pools, namespace, service) if isinstance(service, str) else []
-    return raw, peers, classes_of(class_index(kwargs), namespace)
+    served: ServedIndex = kwargs["served_pools"]
+    namespaces = {ns for ns, _ in served.get(None, [])}
+    return raw, peers, classes_of(class_index(kwargs), namespace), namespaces
 
 
 @kopf.on.resume(*POOLS, id="reconcile_pool")
@@ -282,8 +303,8 @@ def pool_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs: Any) ->
     """Deleting while the operator runs: drop the pool from its gateway now (best effort:
     ``optional``, so this handler needs no finalizer; owner references garbage-collect the
     children anyway, and the service's other pools' timers rewrite the gateway)."""
-    inputs = _inputs(body, kwargs)
-    retrying(retry, lambda: delete_pool(context(memo), *inputs))
+    raw, peers, classes, _ = _inputs(body, kwargs)
+    retrying(retry, lambda: delete_pool(context(memo), raw, peers, classes))
 
 
 # ---- the finalizer kopf's timers need --------------------------------------------------

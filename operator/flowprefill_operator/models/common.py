@@ -96,7 +96,7 @@ class LabelSelector(CRModel):
 class Condition(CRModel):
     """A Kubernetes-style status condition."""
 
-    type: str = Field(description="Condition type: Ready, Progressing or Degraded.")
+    type: str = Field(description="Condition type (e.g. Ready, Progressing, Degraded).")
     status: Literal["True", "False", "Unknown"] = Field(description="Condition status.")
     reason: str = Field(default="", description="One-word CamelCase reason.")
     message: str = Field(default="", description="Human-readable details.")

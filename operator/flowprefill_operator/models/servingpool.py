@@ -455,7 +455,8 @@ class ServingPoolStatus(CRModel):
     gateway: str = Field(default="", description="In-cluster URL of the service's gateway.")
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing and Degraded.",
+        description="Ready, Progressing, Degraded and UpdatePending (a new pod template of "
+        "the operator's own waits its turn: docs/operations.md).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     autoscaler: AutoscalerStatus | None = Field(
