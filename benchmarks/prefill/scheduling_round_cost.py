@@ -1,11 +1,16 @@
-"""Cost of one scheduling round with 10, 100 and 1,000 queued requests.
+"""Cost of one scheduling round with 10 to 10,000 queued requests: the engine's indexed
+round beside the reference that ranks every entry (:mod:`flowprefill.lab.ranking`).
 
 Two kinds of round are timed, since they do different work:
-  * no-op round: an arrival that does not outrank the running task (rank every entry),
-  * submit round: the best entry is a waiting request, so SLO-aware batching also sorts
-    the waiting queue and grows a batch.
+  * no-op round: the running task stays the most urgent entry;
+  * submit round: an urgent arrival outranks it, so the round preempts the running task,
+    forms a batch with SLO-aware batching and submits it.
 
-    python benchmarks/prefill/scheduling_round_cost.py [--repeats 200]
+An arrival (``Scheduler.add``) is timed too: the indexed queue pays there (O(log n)) for
+what its rounds save. Variants are timed interleaved, each on a freshly filled scheduler,
+and every pair of rounds is checked to decide the same commands.
+
+    python benchmarks/prefill/scheduling_round_cost.py [--sizes 10,100,1000,10000] [--repeats 40]
 """
 
 from __future__ import annotations
@@ -16,68 +21,94 @@ import statistics
 import time
 
 from rich.console import Console
+from rich.progress import track
 from rich.table import Table
 
+from flowprefill.lab.ranking import RankingScheduler
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.request import Request
-from flowprefill.prefill.scheduler.core import Scheduler
+from flowprefill.prefill.scheduler.core import Scheduler, SchedulerOutput
 from flowprefill.prefill.scheduler.policies import get_policy
 
 PREDICTOR = TTFTPredictor(coefficients=[0.004, 2.5e-5, 1.5e-9])  # ~A100 Llama-3-8B shape
-SLOS = [0.25, 0.5, 4.0, 6.0]
+VARIANTS: dict[str, type[Scheduler]] = {"ranking": RankingScheduler, "indexed": Scheduler}
 
 
-def populated(n: int, rng: random.Random, policy: str) -> Scheduler:
-    s = Scheduler(predict_s=PREDICTOR.predict_s, policy=get_policy(policy))
-    # A long relaxed request runs; n others wait.
-    s.add(Request.create("run", arrival_s=1.0, ttft_slo_s=1000.0, num_tokens=16000))
+def populated(cls: type[Scheduler], n: int, seed: int, policy: str) -> tuple[Scheduler, float]:
+    """A long relaxed request runs and ``n`` others wait; the mean seconds per arrival."""
+    rng = random.Random(seed)
+    s = cls(predict_s=PREDICTOR.predict_s, policy=get_policy(policy))
+    s.add(Request.create("run", arrival_s=0.5, ttft_slo_s=1000.0, num_tokens=16000))
     s.schedule(1.0)
-    s.running.leader.arrival_s = 0.5  # type: ignore[union-attr]
-    for i in range(n):
-        s.add(
-            Request.create(
-                f"w{i}",
-                arrival_s=1.0 + rng.random(),
-                ttft_slo_s=2000.0 + rng.random(),
-                num_tokens=rng.randint(16, 8000),
-            )
+    waiting = [
+        Request.create(
+            f"w{i}",
+            arrival_s=1.0 + rng.random(),
+            ttft_slo_s=2000.0 + rng.random(),
+            num_tokens=rng.randint(16, 8000),
         )
-    return s
+        for i in range(n)
+    ]
+    t0 = time.perf_counter()
+    for r in waiting:
+        s.add(r)
+    return s, (time.perf_counter() - t0) / max(n, 1)
 
 
-def time_rounds(n: int, repeats: int, policy: str, rng: random.Random) -> tuple[float, float]:
-    noop: list[float] = []
-    submit: list[float] = []
-    for _ in range(repeats):
-        s = populated(n, rng, policy)
-        t0 = time.perf_counter()
-        out = s.schedule(2.0)
-        noop.append(time.perf_counter() - t0)
-        assert not out.commands or policy != "fcfs"
-        # An urgent arrival: now the best entry is waiting -> batching + submit.
-        s.add(Request.create("urgent", arrival_s=2.0, ttft_slo_s=0.25, num_tokens=128))
-        t0 = time.perf_counter()
-        out = s.schedule(2.0)
-        submit.append(time.perf_counter() - t0)
-        assert out.commands
-    return statistics.median(noop), statistics.median(submit)
+def decided(out: SchedulerOutput) -> list[tuple[str, list[str]]]:
+    return [(c.kind.value, [r.request_id for r in c.task.requests]) for c in out.commands]
+
+
+def time_rounds(
+    cls: type[Scheduler], n: int, seed: int, policy: str
+) -> tuple[float, float, float, list[tuple[str, list[str]]]]:
+    """(arrival, no-op round, submit round) seconds and the submit round's commands."""
+    s, arrival = populated(cls, n, seed, policy)
+    t0 = time.perf_counter()
+    out = s.schedule(2.0)
+    noop = time.perf_counter() - t0
+    assert not out.commands or policy == "fcfs"
+    s.add(Request.create("urgent", arrival_s=2.0, ttft_slo_s=0.25, num_tokens=128))
+    t0 = time.perf_counter()
+    out = s.schedule(2.0)
+    submit = time.perf_counter() - t0
+    assert out.commands
+    return arrival, noop, submit, decided(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--sizes", default="10,100,1000,10000", help="queued requests, comma-separated")
+    ap.add_argument("--repeats", type=int, default=40, help="rounds per size and variant")
     ap.add_argument("--policy", default="s-edf")
     args = ap.parse_args()
-    rng = random.Random(0)
-    table = Table(title=f"scheduling round cost ({args.policy}, median of {args.repeats})")
-    table.add_column("queued requests", justify="right")
-    table.add_column("no-op round µs", justify="right")
-    table.add_column("submit round µs", justify="right")
-    for n in (10, 100, 1000):
-        noop, submit = time_rounds(
-            n, args.repeats if n < 1000 else max(20, args.repeats // 5), args.policy, rng
-        )
-        table.add_row(str(n), f"{noop * 1e6:.0f}", f"{submit * 1e6:.0f}")
+    sizes = [int(x) for x in args.sizes.split(",")]
+    table = Table(title=f"scheduling round cost, µs ({args.policy}, median of {args.repeats})")
+    table.add_column("queued", justify="right")
+    for variant in VARIANTS:
+        table.add_column(f"{variant} no-op", justify="right")
+        table.add_column(f"{variant} submit", justify="right")
+    table.add_column("indexed arrival", justify="right")
+    for n in sizes:
+        times: dict[str, list[tuple[float, float, float]]] = {v: [] for v in VARIANTS}
+        for repeat in track(range(args.repeats), description=f"{n:>6} queued", transient=True):
+            commands = []
+            order = list(VARIANTS.items())
+            if repeat % 2:
+                order.reverse()  # interleaved: neither variant always runs second
+            for variant, cls in order:
+                arrival, noop, submit, decision = time_rounds(cls, n, repeat, args.policy)
+                times[variant].append((arrival, noop, submit))
+                commands.append(decision)
+            assert commands[0] == commands[1], f"the variants decided differently at {n}"
+        row = [f"{n:,}"]
+        for variant in VARIANTS:
+            row += [
+                f"{statistics.median(t[1] for t in times[variant]) * 1e6:,.0f}",
+                f"{statistics.median(t[2] for t in times[variant]) * 1e6:,.0f}",
+            ]
+        row.append(f"{statistics.median(t[0] for t in times['indexed']) * 1e6:.1f}")
+        table.add_row(*row)
     Console().print(table)
 
 

@@ -36,9 +36,18 @@ from typing import Protocol
 
 from flowprefill.contracts.names import Batching
 from flowprefill.prefill.request import Request
+from flowprefill.prefill.scheduler.waiting import Candidates
 
 PredictFn = Callable[[int], float]
 """Predicted prefill latency in seconds for a batch of ``n`` tokens."""
+
+
+def take_at_most(candidates: Iterable[Request], max_tokens: int) -> None:
+    """Promise a candidate source that no request of more than ``max_tokens`` tokens will
+    join (the room left in the budget), so that it may skip them (:class:`Candidates`);
+    a plain iterable is left as it is."""
+    if isinstance(candidates, Candidates):
+        candidates.max_tokens = max_tokens
 
 
 class BatchingPolicy(Protocol):
@@ -53,7 +62,8 @@ class BatchingPolicy(Protocol):
         predict_s: PredictFn,
         token_budget: int,
     ) -> list[Request]:
-        """Return the batch, leader first; ``candidates`` come in priority order."""
+        """Return the batch, leader first; ``candidates`` come in priority order (a
+        :class:`Candidates` may leave out what :func:`take_at_most` promised to refuse)."""
         ...
 
 
@@ -78,12 +88,14 @@ class SLOAwareBatching:
         batch = [leader]
         allowed_s = self.fraction * (leader.deadline_s - now_s)
         num_tokens = leader.num_tokens
+        take_at_most(candidates, token_budget - num_tokens)
         for r in candidates:
             grown = num_tokens + r.num_tokens
             # The budget is inclusive: a batch of exactly token_budget tokens is admitted.
             if grown <= token_budget and allowed_s > predict_s(grown):
                 batch.append(r)
                 num_tokens = grown
+                take_at_most(candidates, token_budget - num_tokens)
         return batch
 
 
@@ -125,6 +137,7 @@ class MemberHeadroomBatching:
         num_tokens = leader.num_tokens
         tightest_s = leader.deadline_s - now_s
         leader_late = tightest_s < predict_s(leader.num_tokens)
+        take_at_most(candidates, token_budget - num_tokens)
         for r in candidates:
             grown = num_tokens + r.num_tokens
             if grown > token_budget:
@@ -140,6 +153,7 @@ class MemberHeadroomBatching:
                 batch.append(r)
                 num_tokens = grown
                 tightest_s = min(tightest_s, remaining_s)
+                take_at_most(candidates, token_budget - num_tokens)
         return batch
 
 

@@ -26,6 +26,7 @@ from flowprefill.prefill.request import Request, RequestState, Task
 from flowprefill.prefill.scheduler.batching import BatchingPolicy, SLOAwareBatching
 from flowprefill.prefill.scheduler.memory import ParkedMemory
 from flowprefill.prefill.scheduler.policies import PriorityPolicy, RankInput, SlackEDF, SortKey
+from flowprefill.prefill.scheduler.waiting import Candidates, WaitingQueue
 
 
 class CommandKind(StrEnum):
@@ -85,11 +86,13 @@ class Scheduler:
         self.token_budget = token_budget
         self.parked_memory = parked_memory if parked_memory is not None else ParkedMemory()
         self.waiting: dict[str, Request] = {}
+        """``Q_w`` by request id, in arrival order (read-only outside this class)."""
         self.preempted: dict[int, Task] = {}
         self.running: Task | None = None
         self.stats = SchedulerStats()
         self._known_ids: set[str] = set()
-        self._waiting_rank: dict[str, RankInput] = {}
+        self._queue = WaitingQueue(self.policy)
+        """``Q_w`` in priority order: a round looks at the requests it may pick only."""
 
     # ------------------------------------------------------------------ events
 
@@ -102,8 +105,14 @@ class Scheduler:
         self.waiting[request.request_id] = request
         self._known_ids.add(request.request_id)
         # A waiting request's rank input never changes: compute (and predict) it once.
-        self._waiting_rank[request.request_id] = RankInput(
-            request.deadline_s, request.arrival_s, self.predict_s(request.num_tokens), request.seq
+        self._queue.add(
+            request,
+            RankInput(
+                request.deadline_s,
+                request.arrival_s,
+                self.predict_s(request.num_tokens),
+                request.seq,
+            ),
         )
 
     def finish(self, task: Task, now_s: float, *, failed: bool = False) -> None:
@@ -123,7 +132,7 @@ class Scheduler:
     def cancel(self, request_id: str, now_s: float) -> Task | None:
         """Drop a request. Returns its task if no live request is left in it (to cancel it)."""
         r = self.waiting.pop(request_id, None)
-        self._waiting_rank.pop(request_id, None)
+        self._queue.remove(request_id)
         if r is not None:
             r.transition(RequestState.CANCELLED, now_s)
             self._known_ids.discard(request_id)
@@ -152,7 +161,7 @@ class Scheduler:
 
     def rank_input(self, item: Request | Task) -> RankInput:
         if isinstance(item, Request):
-            cached = self._waiting_rank.get(item.request_id)
+            cached = self._queue.rank_input(item.request_id)
             if cached is not None:
                 return cached
             return RankInput(
@@ -179,13 +188,20 @@ class Scheduler:
     # ------------------------------------------------------------------ one round
 
     def schedule(self, now_s: float) -> SchedulerOutput:
-        """Run one scheduling round at ``now_s``; returns the commands to carry out."""
+        """Run one scheduling round at ``now_s``; returns the commands to carry out.
+
+        Looks at the running and preempted tasks and at the waiting requests it may pick
+        or batch only (:mod:`.waiting`), never ranks the whole queue."""
         self.stats.num_rounds += 1
         out = SchedulerOutput(self.stats.num_rounds, now_s)
-        items = self.runnable()
-        if not items:
+        keyed: list[tuple[SortKey, Request | Task]] = [
+            (self.sort_key(task, now_s), task) for task in self._tasks()
+        ]
+        most_urgent = self._queue.first(now_s)
+        if most_urgent is not None:
+            keyed.append(most_urgent)
+        if not keyed:
             return out
-        keyed = [(self.sort_key(item, now_s), item) for item in items]
         _best_key, best = min(keyed, key=lambda kv: kv[0])
         if best is self.running:
             return out
@@ -199,18 +215,14 @@ class Scheduler:
             return out
 
         if isinstance(best, Request):
-            candidates = sorted(
-                (kv for kv in keyed if isinstance(kv[1], Request) and kv[1] is not best),
-                key=lambda kv: kv[0],
-            )
             batch = self.batching.form_batch(
                 best,
-                (r for _, r in candidates if isinstance(r, Request)),
+                Candidates(self._queue, now_s, skip=best.request_id),
                 now_s=now_s,
                 predict_s=self.predict_s,
                 token_budget=self.token_budget,
             )
-            target = Task(self._within_rank(batch, keyed, now_s))
+            target = Task(self._within_rank(batch, now_s))
         else:
             target = best
 
@@ -225,7 +237,7 @@ class Scheduler:
         if isinstance(best, Request):
             for r in target.requests:
                 del self.waiting[r.request_id]
-                del self._waiting_rank[r.request_id]
+                self._queue.remove(r.request_id)
             out.commands.append(Command(CommandKind.SUBMIT, target))
             self.stats.num_submits += 1
         else:
@@ -238,9 +250,18 @@ class Scheduler:
         self.stats.num_command_rounds += 1
         return out
 
-    def _within_rank(
-        self, batch: list[Request], keyed: list[tuple[SortKey, Request | Task]], now_s: float
-    ) -> list[Request]:
+    def _best_outside(self, batch: list[Request], now_s: float) -> SortKey | None:
+        """The smallest key of a runnable entry that is not in ``batch``: a task's, or the
+        first waiting request in order that the batch does not hold."""
+        inside = {r.request_id for r in batch}
+        keys = [self.sort_key(task, now_s) for task in self._tasks()]
+        for key, request in self._queue.ordered(now_s):
+            if request.request_id not in inside:
+                keys.append(key)
+                break
+        return min(keys, default=None)
+
+    def _within_rank(self, batch: list[Request], now_s: float) -> list[Request]:
         """``batch`` without the trailing members that make it rank below an entry left
         outside it. A batch is ranked by its leader's deadline and the whole batch's
         predicted time, so a member can turn a feasible leader's batch infeasible (greedy
@@ -248,9 +269,9 @@ class Scheduler:
         then run although an entry outside it ranks higher — the task it just preempted,
         say — and be preempted by it at the next round. The leader alone is the best
         entry, so this keeps at least the leader."""
-        inside = {id(r) for r in batch}
-        outside = [k for k, x in keyed if id(x) not in inside]
-        best_outside = min(outside, default=None)
+        if len(batch) == 1:
+            return batch
+        best_outside = self._best_outside(batch, now_s)
         kept = list(batch)
         while len(kept) > 1 and best_outside is not None:
             leader = kept[0]

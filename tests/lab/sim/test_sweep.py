@@ -32,23 +32,23 @@ def test_the_engines_scheduler_and_policies_are_the_ones_driven(monkeypatch) -> 
     inst = build_instance(SYSTEMS["flowprefill"], cost, fit_predictor(cost).predict_s)
     assert type(inst.scheduler) is core.Scheduler
     assert type(inst.scheduler.policy) is SlackEDF
-    calls = {"schedule": 0, "slack": 0}
+    calls = {"schedule": 0, "phases": 0}
     real_schedule = core.Scheduler.schedule
-    real_slack = SlackEDF.slack_s
+    real_phases = SlackEDF.phases
 
     def schedule(self, now_s):  # type: ignore[no-untyped-def]
         calls["schedule"] += 1
         return real_schedule(self, now_s)
 
-    def slack(entry, now_s):  # type: ignore[no-untyped-def]
-        calls["slack"] += 1
-        return real_slack(entry, now_s)
+    def phases(self, entry):  # type: ignore[no-untyped-def]
+        calls["phases"] += 1
+        return real_phases(self, entry)
 
     monkeypatch.setattr(core.Scheduler, "schedule", schedule)
-    monkeypatch.setattr(SlackEDF, "slack_s", staticmethod(slack))
+    monkeypatch.setattr(SlackEDF, "phases", phases)
     res = run_system(SYSTEMS["flowprefill"], qwen_like(100, seed=0), cost, rate=4.0)
     assert calls["schedule"] == res.num_rounds > 0
-    assert calls["slack"] > 0
+    assert calls["phases"] > 0
 
 
 def test_a_seeded_sweep_is_reproducible_bit_for_bit(tmp_path: Path) -> None:

@@ -1,0 +1,131 @@
+"""The indexed round decides exactly what ranking every entry decided: the randomized
+event sequences of the invariant tests (``test_core.py``), replayed through
+:class:`~flowprefill.lab.ranking.RankingScheduler` and :class:`Scheduler`,
+give the same commands, batches and declined preemptions in every round, under every
+policy and batching, with and without a parked-memory budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowprefill.lab.ranking import RankingScheduler
+from flowprefill.lab.sim.batching import SIM_BATCHING, get_batching
+from flowprefill.prefill.request import Request
+from flowprefill.prefill.scheduler.core import Scheduler, SchedulerOutput
+from flowprefill.prefill.scheduler.memory import ParkedMemory
+from flowprefill.prefill.scheduler.policies import get_policy
+from tests.prefill.scheduler.test_core import arrival_op, cancel_op, complete_op
+
+Op = tuple[object, ...]
+Round = tuple[list[tuple[str, list[str]]], list[str] | None]
+
+PREDICTORS: dict[str, Callable[[int], float]] = {
+    "linear": lambda n: n * 0.0005,
+    "quadratic": lambda n: 0.004 + n * 2.5e-5 + n * n * 1.5e-8,
+    # Exact binary fractions, times on a 1/8 s grid and prompts of 128k tokens: slack
+    # exactly zero happens.
+    "exact": lambda n: n / 1024,
+    # Not monotone in the token count (a badly fitted profile): nothing may assume it is.
+    "wavy": lambda n: 0.1 + (n % 700) * 0.001,
+}
+
+
+def summary(out: SchedulerOutput) -> Round:
+    commands = [(c.kind.value, [r.request_id for r in c.task.requests]) for c in out.commands]
+    declined = out.declined_preemption
+    return commands, None if declined is None else [r.request_id for r in declined.requests]
+
+
+def replay(scheduler: Scheduler, ops: list[Op], grid: bool) -> list[Round]:
+    """Feed ``ops`` (the invariant test's encoding) to ``scheduler``; every round's summary."""
+    rounds: list[Round] = []
+    now, added = 1.0, []
+    for i, op in enumerate(ops):
+        step = float(op[1])  # type: ignore[arg-type]
+        now += round(step * 8) / 8 if grid else step
+        if op[0] == "arrive":
+            tokens = int(op[2])  # type: ignore[call-overload]
+            r = Request.create(
+                f"r{i}",
+                arrival_s=now,
+                ttft_slo_s=float(op[3]),  # type: ignore[arg-type]
+                # On the grid, batches that fill the budget exactly happen too.
+                num_tokens=max(128, round(tokens / 128) * 128) if grid else tokens,
+            )
+            added.append(r.request_id)
+            scheduler.add(r)
+        elif op[0] == "complete":
+            if scheduler.running is None:
+                continue
+            for t in scheduler.preempted.values():
+                t.progress = float(op[2])  # type: ignore[arg-type]
+            scheduler.finish(scheduler.running, now)
+        else:
+            if not added:
+                continue
+            ids = sorted(added)
+            empty = scheduler.cancel(ids[int(op[2]) % len(ids)], now)  # type: ignore[call-overload]
+            if empty is not None:
+                scheduler.finish(empty, now, failed=True)
+        rounds.append(summary(scheduler.schedule(now)))
+    return rounds
+
+
+def build(cls: type[Scheduler], policy: str, batching: str, budget: int, parked: int | None,
+          predictor: str) -> Scheduler:  # fmt: skip
+    memory = ParkedMemory(parked, estimate=lambda tokens, n: tokens * 100 + n) if parked else None
+    return cls(
+        predict_s=PREDICTORS[predictor],
+        policy=get_policy(policy),
+        batching=get_batching(batching),
+        token_budget=budget,
+        parked_memory=memory,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(st.one_of(arrival_op, arrival_op, complete_op, cancel_op), max_size=80),
+    policy=st.sampled_from(["s-edf", "d-edf", "edf", "fcfs"]),
+    batching=st.sampled_from(sorted(SIM_BATCHING)),
+    budget=st.sampled_from([1024, 4096]),
+    parked=st.sampled_from([None, 150_000, 400_000]),
+    predictor=st.sampled_from(sorted(PREDICTORS)),
+)
+def test_indexed_rounds_decide_what_ranking_decided(
+    ops: list[Op], policy: str, batching: str, budget: int, parked: int | None, predictor: str
+) -> None:
+    grid = predictor == "exact"
+    expected = replay(
+        build(RankingScheduler, policy, batching, budget, parked, predictor), ops, grid
+    )
+    actual = replay(build(Scheduler, policy, batching, budget, parked, predictor), ops, grid)
+    assert actual == expected
+
+
+def test_a_zero_slack_request_ranks_between_feasible_and_late_ones() -> None:
+    # Latest start exactly now: S-EDF's key of slack 0, after every feasible request and
+    # before every late one (the queue finds it among its switches, not in a list).
+    s = Scheduler(predict_s=PREDICTORS["exact"], batching=get_batching("none"))
+    s.add(Request.create("zero", arrival_s=0.0, ttft_slo_s=0.5, num_tokens=256))  # 0.25 s
+    s.add(Request.create("late", arrival_s=0.0, ttft_slo_s=0.25, num_tokens=512))
+    s.add(Request.create("fine", arrival_s=0.0, ttft_slo_s=6.0, num_tokens=8))
+    order = [s.schedule(0.25).commands[-1].task.leader.request_id]
+    for _ in range(2):
+        assert s.running is not None
+        s.finish(s.running, 0.25)
+        order.append(s.schedule(0.25).commands[-1].task.leader.request_id)
+    assert order == ["fine", "zero", "late"]
+
+
+def test_a_request_that_fills_the_budget_exactly_is_not_skipped() -> None:
+    # The queue skips what cannot fit the room left; the budget is inclusive.
+    s = Scheduler(predict_s=PREDICTORS["linear"], token_budget=1000)
+    s.add(Request.create("lead", arrival_s=0.0, ttft_slo_s=4.0, num_tokens=300))
+    s.add(Request.create("big", arrival_s=0.0, ttft_slo_s=6.0, num_tokens=701))
+    s.add(Request.create("exact", arrival_s=0.0, ttft_slo_s=6.0, num_tokens=700))
+    out = s.schedule(0.0)
+    assert [r.request_id for r in out.commands[0].task.requests] == ["lead", "exact"]
