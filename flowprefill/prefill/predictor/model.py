@@ -64,6 +64,15 @@ class TTFTPredictor(BaseModel):
     def degree(self) -> int:
         return len(self.coefficients) - 1
 
+    @property
+    def monotone(self) -> bool:
+        """Whether :meth:`predict_s` never decreases as the token count grows, exactly,
+        in floating point: true when no coefficient but the constant is negative (each
+        Horner step then multiplies or adds non-negative numbers, and IEEE rounding is
+        monotone; the floor keeps it so). A fit with a negative term may still be
+        monotone over the profiled range, but this does not claim it."""
+        return all(c >= 0 for c in self.coefficients[1:])
+
     def predict_s(self, num_tokens: int) -> float:
         """Predicted prefill latency of a forward pass over ``num_tokens`` tokens."""
         acc = 0.0

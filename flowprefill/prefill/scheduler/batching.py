@@ -44,10 +44,20 @@ PredictFn = Callable[[int], float]
 
 def take_at_most(candidates: Iterable[Request], max_tokens: int) -> None:
     """Promise a candidate source that no request of more than ``max_tokens`` tokens will
-    join (the room left in the budget), so that it may skip them (:class:`Candidates`);
-    a plain iterable is left as it is."""
+    join (the room left in the budget), so that it may skip them (:class:`Candidates`;
+    promises only tighten); a plain iterable is left as it is."""
     if isinstance(candidates, Candidates):
-        candidates.max_tokens = max_tokens
+        held = candidates.max_tokens
+        candidates.max_tokens = max_tokens if held is None else min(held, max_tokens)
+
+
+def too_slow(candidates: Iterable[Request], num_tokens: int) -> None:
+    """A candidate of ``num_tokens`` was refused because the grown batch is predicted too
+    slow for a limit that only tightens as the batch grows. With a predictor that never
+    decreases in the token count (:attr:`Candidates.monotone`), no larger candidate can
+    join either: promise so. Otherwise nothing follows from it."""
+    if isinstance(candidates, Candidates) and candidates.monotone:
+        take_at_most(candidates, num_tokens - 1)
 
 
 class BatchingPolicy(Protocol):
@@ -92,10 +102,14 @@ class SLOAwareBatching:
         for r in candidates:
             grown = num_tokens + r.num_tokens
             # The budget is inclusive: a batch of exactly token_budget tokens is admitted.
-            if grown <= token_budget and allowed_s > predict_s(grown):
+            if grown > token_budget:
+                continue
+            if allowed_s > predict_s(grown):
                 batch.append(r)
                 num_tokens = grown
                 take_at_most(candidates, token_budget - num_tokens)
+            else:
+                too_slow(candidates, r.num_tokens)  # allowed_s is fixed, the batch grows
         return batch
 
 
@@ -147,8 +161,11 @@ class MemberHeadroomBatching:
             if leader_late:
                 ok = late
             else:
+                predicted_s = predict_s(grown)
                 allowed_s = self.fraction * min(tightest_s, remaining_s)
-                ok = not late and predict_s(grown) < allowed_s
+                ok = not late and predicted_s < allowed_s
+                if predicted_s >= self.fraction * tightest_s:
+                    too_slow(candidates, r.num_tokens)  # tightest_s only shrinks
             if ok:
                 batch.append(r)
                 num_tokens = grown

@@ -22,6 +22,7 @@ from enum import StrEnum
 
 from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET
 from flowprefill.errors import InvalidRequestError, UnknownTaskError
+from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.request import Request, RequestState, Task
 from flowprefill.prefill.scheduler.batching import BatchingPolicy, SLOAwareBatching
 from flowprefill.prefill.scheduler.memory import ParkedMemory
@@ -76,13 +77,21 @@ class Scheduler:
         batching: BatchingPolicy | None = None,
         token_budget: int = DEFAULT_BATCH_TOKEN_BUDGET,
         parked_memory: ParkedMemory | None = None,
+        predict_monotone: bool | None = None,
     ) -> None:
-        """``parked_memory`` bounds the bytes preempted tasks hold (None: unbounded)."""
+        """``parked_memory`` bounds the bytes preempted tasks hold (None: unbounded).
+        ``predict_monotone``: ``predict_s`` never decreases in the token count (batching
+        then skips candidates larger than one already too slow); None: True for a
+        :class:`TTFTPredictor`'s method whose polynomial guarantees it, else False."""
         if token_budget <= 0:
             raise InvalidRequestError(f"batch token budget must be positive, got {token_budget}")
         self.policy: PriorityPolicy = policy or SlackEDF()
         self.batching: BatchingPolicy = batching or SLOAwareBatching()
         self.predict_s = predict_s
+        if predict_monotone is None:
+            owner = getattr(predict_s, "__self__", None)
+            predict_monotone = isinstance(owner, TTFTPredictor) and owner.monotone
+        self.predict_monotone = predict_monotone
         self.token_budget = token_budget
         self.parked_memory = parked_memory if parked_memory is not None else ParkedMemory()
         self.waiting: dict[str, Request] = {}
@@ -217,7 +226,9 @@ class Scheduler:
         if isinstance(best, Request):
             batch = self.batching.form_batch(
                 best,
-                Candidates(self._queue, now_s, skip=best.request_id),
+                Candidates(
+                    self._queue, now_s, skip=best.request_id, monotone=self.predict_monotone
+                ),
                 now_s=now_s,
                 predict_s=self.predict_s,
                 token_budget=self.token_budget,

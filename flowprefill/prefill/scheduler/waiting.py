@@ -80,8 +80,13 @@ class Candidates:
     sees every request.
     """
 
-    def __init__(self, queue: WaitingQueue, now_s: float, skip: str | None) -> None:
+    def __init__(
+        self, queue: WaitingQueue, now_s: float, skip: str | None, *, monotone: bool = False
+    ) -> None:
         self.max_tokens: int | None = None
+        self.monotone = monotone
+        """The predictor never decreases in the token count (a policy may then promise
+        to refuse every request larger than one refused as too slow)."""
         self._queue, self._now_s, self._skip = queue, now_s, skip
 
     def __iter__(self) -> Iterator[Request]:
@@ -179,9 +184,12 @@ class WaitingQueue:
 
     def _at_now(self, now_s: float) -> list[tuple[int, Keyed]]:
         """Early requests whose instant is exactly ``now_s``: (bucket, (``at`` key, id))."""
+        switches = self._switches
+        if not switches or switches[0][0] != now_s:  # after advance(): none is before now
+            return []
         # irange, not islice: positions would make SortedList re-index after every change.
         found = []
-        for _, _, rid in self._switches.irange((now_s,), (now_s, math.inf)):
+        for _, _, rid in switches.irange((now_s,), (now_s, math.inf)):
             entry = self._entries[rid]
             found.append((entry.bucket, (entry.phases.at, rid)))
         return found

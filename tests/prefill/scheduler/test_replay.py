@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from flowprefill.lab.ranking import RankingScheduler
 from flowprefill.lab.sim.batching import SIM_BATCHING, get_batching
+from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.request import Request
 from flowprefill.prefill.scheduler.core import Scheduler, SchedulerOutput
 from flowprefill.prefill.scheduler.memory import ParkedMemory
@@ -23,7 +24,9 @@ Op = tuple[object, ...]
 Round = tuple[list[tuple[str, list[str]]], list[str] | None]
 
 PREDICTORS: dict[str, Callable[[int], float]] = {
-    "linear": lambda n: n * 0.0005,
+    "linear": TTFTPredictor(coefficients=[0.0, 0.0005]).predict_s,
+    # A profile's polynomial, monotone: batching also skips what is too slow.
+    "profile": TTFTPredictor(coefficients=[0.004, 2.5e-4, 1.5e-7]).predict_s,
     "quadratic": lambda n: 0.004 + n * 2.5e-5 + n * n * 1.5e-8,
     # Exact binary fractions, times on a 1/8 s grid and prompts of 128k tokens: slack
     # exactly zero happens.
@@ -129,3 +132,31 @@ def test_a_request_that_fills_the_budget_exactly_is_not_skipped() -> None:
     s.add(Request.create("exact", arrival_s=0.0, ttft_slo_s=6.0, num_tokens=700))
     out = s.schedule(0.0)
     assert [r.request_id for r in out.commands[0].task.requests] == ["lead", "exact"]
+
+
+def test_a_monotone_profile_lets_batching_skip_what_is_too_slow() -> None:
+    assert Scheduler(predict_s=PREDICTORS["profile"]).predict_monotone
+    assert not Scheduler(predict_s=PREDICTORS["wavy"]).predict_monotone
+    falling = TTFTPredictor(coefficients=[0.1, -1e-5, 1e-9])
+    assert not falling.monotone and not Scheduler(predict_s=falling.predict_s).predict_monotone
+    # Forced on for a predictor that is not: candidates wrongly skipped change the batch
+    # (what the replay would catch were the flag ever set wrongly).
+    wavy = PREDICTORS["wavy"]  # 0.1 + (n % 700) ms: 699 tokens slow, 700 fast again
+    batches = []
+    for monotone in (False, True):
+        s = Scheduler(predict_s=wavy, token_budget=2000, predict_monotone=monotone)
+        s.add(Request.create("lead", arrival_s=0.0, ttft_slo_s=0.75, num_tokens=1))
+        s.add(Request.create("slow", arrival_s=0.0, ttft_slo_s=6.0, num_tokens=698))
+        s.add(Request.create("fast", arrival_s=0.0, ttft_slo_s=6.5, num_tokens=699))
+        batches.append([r.request_id for r in s.schedule(0.0).commands[0].task.requests])
+    assert batches == [["lead", "fast"], ["lead"]]
+
+
+def test_only_larger_candidates_are_skipped_after_one_too_slow() -> None:
+    s = Scheduler(predict_s=TTFTPredictor(coefficients=[0.0, 0.001]).predict_s)
+    s.add(Request.create("lead", arrival_s=0.0, ttft_slo_s=0.6, num_tokens=1))
+    s.add(Request.create("too-slow", arrival_s=0.0, ttft_slo_s=6.0, num_tokens=600))
+    s.add(Request.create("larger", arrival_s=0.0, ttft_slo_s=6.1, num_tokens=601))
+    s.add(Request.create("smaller", arrival_s=0.0, ttft_slo_s=6.2, num_tokens=598))
+    batch = s.schedule(0.0).commands[0].task.requests
+    assert [r.request_id for r in batch] == ["lead", "smaller"]
