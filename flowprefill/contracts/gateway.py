@@ -45,6 +45,40 @@ class HealthProbeSettings(_Contract):
     )
 
 
+class OverloadSettings(_Contract):
+    """How the gateway bounds what waits under overload (docs/gateway.md, "Overload";
+    :mod:`flowprefill.gateway.admission`). A request of a class that is not sheddable is
+    answered 503 with ``Retry-After`` instead of waiting when its first token is predicted
+    later than its deadline plus its *useful wait*, ``max(useful_wait_factor × TTFT
+    target, useful_wait_floor_s)``, or is still not there by then; and any request is
+    answered 503 when ``max_waiting`` requests already wait for their first token."""
+
+    useful_wait_factor: float = Field(
+        default=1.0,
+        ge=0,
+        le=1000,
+        description="How late past its deadline, in TTFT targets, a non-sheddable request's "
+        "first token is still worth waiting for (1: served by twice its target at worst).",
+    )
+    useful_wait_floor_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=3600,
+        description="The least useful wait in seconds, so a tight target is not refused on "
+        "a prediction error or a short burst.",
+    )
+    max_waiting: int = Field(
+        default=10_000,
+        ge=1,
+        description="Requests waiting for their first token at this gateway, at most: the "
+        "hard bound on its queue and the memory it holds.",
+    )
+
+    def useful_wait_s(self, ttft_slo_s: float) -> float:
+        """How long past the deadline of a request with this TTFT target it may wait."""
+        return max(self.useful_wait_factor * ttft_slo_s, self.useful_wait_floor_s)
+
+
 class GatewayConfig(_Contract):
     """``gateway.json`` of a service's gateway."""
 
@@ -71,4 +105,8 @@ class GatewayConfig(_Contract):
     health_probe: HealthProbeSettings = Field(
         default_factory=HealthProbeSettings,
         description="Liveness probing of every instance, to route around stalled ones.",
+    )
+    overload: OverloadSettings = Field(
+        default_factory=OverloadSettings,
+        description="Bounds on what waits under overload: the useful wait and the queue.",
     )

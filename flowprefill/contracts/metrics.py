@@ -47,6 +47,26 @@ replicas' worth, the autoscaler's guard against scaling down into saturation."""
 GATEWAY_SHED: Final = "flowprefill_gateway_shed"
 """Counter by class: requests refused at admission (HTTP 429) because they could not be
 served before their deadline; the operator writes the window's count into SLOClass status."""
+GATEWAY_OVERLOAD_REFUSED: Final = "flowprefill_gateway_overload_refused"
+"""Counter by class and ``reason`` (:class:`OverloadReason`): requests answered 503 with
+``Retry-After`` because waiting would be of no use or the gateway's queue is full."""
+OVERLOAD_REASON_LABEL: Final = "reason"
+GATEWAY_WAITING: Final = "flowprefill_gateway_waiting_requests"
+"""Gauge: requests admitted and waiting for their first token (the gateway's queue)."""
+GATEWAY_WAITING_MAX: Final = "flowprefill_gateway_waiting_requests_max"
+"""Gauge: the most requests that ever waited at once since the gateway started."""
+
+
+class OverloadReason(StrEnum):
+    """Why a request got 503 under overload (docs/gateway.md, "Overload")."""
+
+    TOO_LATE = "too_late"
+    """Its first token was predicted past its deadline plus its useful wait."""
+    EXPIRED = "expired"
+    """Admitted, but still without a first token at its deadline plus its useful wait."""
+    QUEUE_FULL = "queue_full"
+    """``overload.max_waiting`` requests were already waiting for their first token."""
+
 
 # Prefill instance (flowprefill serve-prefill).
 PREFILL_REQUESTS: Final = "flowprefill_prefill_requests"

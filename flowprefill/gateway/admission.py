@@ -4,11 +4,15 @@ One pure decision, called by the gateway (:meth:`flowprefill.gateway.routing.Ins
 and by the simulator's ``shed-*`` admission policies (:mod:`flowprefill.lab.sim.gateway`), so
 the policy measured in simulation is the one that serves:
 
-* A class with a negative ``priority`` is *sheddable* (the SLOClass CRD's contract). Any
-  other class is never refused for lateness: it goes where routing sent it.
-* A sheddable request goes to the routed instance if its first token is predicted there
-  before the deadline; else to the instance where it is predicted earliest among those
-  that make the deadline (route elsewhere); else it is refused, with a retry delay.
+* A class with a negative ``priority`` is *sheddable* (the SLOClass CRD's contract): its
+  *limit* is its deadline. Any other class's limit is its deadline plus its *useful wait*
+  (``max(factor × TTFT target, floor)``,
+  :meth:`~flowprefill.contracts.gateway.OverloadSettings.useful_wait_s`): served late
+  rather than refused, but not so late that the answer is worth nothing.
+* A request goes to the routed instance if its first token is predicted there by its
+  limit; else to the instance where it is predicted earliest among those that make the
+  limit (route elsewhere); else it is refused, with a retry delay: a sheddable one with
+  429 (shed), any other with 503 (overloaded).
 
 Callers supply, per instance, the predicted time the request's first token would be ready
 there (:func:`predicted_finish_s`: the work due before it plus its own, through the
@@ -22,6 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from flowprefill.contracts.prefill_api import PrefillLoad
 
 MIN_RETRY_AFTER_S = 1.0
 """HTTP ``Retry-After`` counts whole seconds; a refusal never asks for less than one."""
@@ -51,9 +57,13 @@ class Accept:
 @dataclass(frozen=True, slots=True)
 class Refuse:
     retry_after_s: float
-    """When a retry is predicted to fit: the best instance's lateness, at least 1 s."""
+    """When a retry is predicted to fit: the best instance's lateness past the limit, at
+    least 1 s."""
     best_finish_s: float
-    """The earliest predicted first token over the instances (past the deadline)."""
+    """The earliest predicted first token over the instances (past the limit)."""
+    shed: bool = True
+    """A sheddable class's refusal (429); False: a non-sheddable one's, predicted past
+    its useful wait (503)."""
 
 
 Decision = Accept | Refuse
@@ -68,19 +78,46 @@ def predicted_finish_s(
 
 
 def decide(
-    *, sheddable: bool, deadline_s: float, estimates: Sequence[Estimate], preferred: int
+    *,
+    sheddable: bool,
+    deadline_s: float,
+    estimates: Sequence[Estimate],
+    preferred: int,
+    useful_wait_s: float = math.inf,
 ) -> Decision:
     """Accept on ``preferred`` (the routing policy's pick), on another instance that makes
-    ``deadline_s``, or refuse. ``estimates`` must include ``preferred``; a non-sheddable
-    request is always accepted on ``preferred``."""
+    the limit, or refuse. The limit is ``deadline_s`` for a sheddable request, else
+    ``deadline_s + useful_wait_s`` (infinite by default: never refused). ``estimates`` must
+    include ``preferred``."""
     by_index = {e.index: e for e in estimates}
     if preferred not in by_index:
         raise ValueError(f"preferred instance {preferred} has no estimate")
-    if not sheddable or by_index[preferred].finish_s <= deadline_s:
+    if useful_wait_s < 0:
+        raise ValueError(f"useful_wait_s must be >= 0, got {useful_wait_s}")
+    limit_s = deadline_s if sheddable else deadline_s + useful_wait_s
+    if by_index[preferred].finish_s <= limit_s:
         return Accept(preferred)
     best = min(estimates, key=lambda e: (e.finish_s, e.index))
-    if best.finish_s <= deadline_s:
+    if best.finish_s <= limit_s:
         return Accept(best.index, rerouted=True)
     # The queue ahead drains by about this much before the same request could make it.
-    late_s = best.finish_s - deadline_s
-    return Refuse(max(MIN_RETRY_AFTER_S, float(math.ceil(late_s))), best.finish_s)
+    late_s = best.finish_s - limit_s
+    return Refuse(max(MIN_RETRY_AFTER_S, float(math.ceil(late_s))), best.finish_s, sheddable)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """An instance's :class:`PrefillLoad` as received at ``at_s`` (gateway clock), and the
+    tokens it holds that this gateway did not send."""
+
+    load: PrefillLoad
+    at_s: float
+    foreign_tokens: int
+
+    def foreign_tokens_at(self, now_s: float) -> float:
+        """What is left of the foreign work at ``now_s``: the engine predicted its whole
+        backlog done in ``queue_delay_s``; the foreign part drains in proportion."""
+        if self.foreign_tokens <= 0 or self.load.queue_delay_s <= 0:
+            return 0.0
+        left = 1.0 - (now_s - self.at_s) / self.load.queue_delay_s
+        return self.foreign_tokens * min(1.0, max(0.0, left))

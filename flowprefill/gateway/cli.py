@@ -73,6 +73,7 @@ def build_state(
             [e.url for e in config.prefill],
             policy=config.prefill_routing,
             predict_s=predict,
+            overload=config.overload,
         ),
         decode_pool=InstancePool(
             "decode", decode_urls, policy=config.decode_routing, predict_s=predict

@@ -8,11 +8,16 @@ the status the client gets and the ``reason`` label of ``flowprefill_gateway_err
 - :class:`NoHealthyInstanceError`: every instance of a pool is backing off (503).
 - :class:`ShedError`: a sheddable class's request no instance can serve before its
   deadline (429 with ``Retry-After``; :mod:`flowprefill.gateway.admission`).
+- :class:`OverloadError`: any request that would wait past its useful time, or finds the
+  gateway's queue full (503 with ``Retry-After``; docs/gateway.md, "Overload").
 - :class:`~flowprefill.web.disconnect.ClientDisconnected`: the client left (499).
 """
 
 from __future__ import annotations
 
+import math
+
+from flowprefill.contracts.metrics import OverloadReason
 from flowprefill.web.disconnect import ClientDisconnected
 
 
@@ -75,6 +80,28 @@ class ShedError(GatewayError):
         self.retry_after_s = retry_after_s
         self.type_ = "rate_limit_exceeded"
         self.headers = {"retry-after": str(max(1, round(retry_after_s)))}
+
+
+class OverloadError(GatewayError):
+    """Answered 503 with ``Retry-After`` instead of waiting: its first token is predicted
+    (``too_late``) or turned out (``expired``) later than its deadline plus its useful
+    wait, or the gateway already holds its most waiting requests (``queue_full``). Counted
+    under ``reason`` (:class:`~flowprefill.contracts.metrics.OverloadReason`), in
+    ``flowprefill_gateway_errors`` and per class in ``flowprefill_gateway_overload_refused``."""
+
+    def __init__(
+        self, slo_class: str, reason: OverloadReason, detail: str, *, retry_after_s: float
+    ) -> None:
+        retry = max(1, math.ceil(retry_after_s))
+        super().__init__(
+            503,
+            f"overloaded: SLO class {slo_class!r} request {detail}; retry after {retry} s",
+            str(reason),
+        )
+        self.slo_class = slo_class
+        self.retry_after_s = float(retry)
+        self.type_ = "service_unavailable"
+        self.headers = {"retry-after": str(retry)}
 
 
 class ClientError(Exception):

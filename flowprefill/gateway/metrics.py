@@ -18,10 +18,14 @@ from prometheus_client.registry import Collector
 from flowprefill.contracts.metrics import (
     CLAIM_LABEL,
     GATEWAY_CLAIMS_REFUSED,
+    GATEWAY_OVERLOAD_REFUSED,
     GATEWAY_PREFILL_WORK,
     GATEWAY_SHED,
     GATEWAY_SLO_ATTAINMENT_TARGET,
     GATEWAY_TPOT,
+    GATEWAY_WAITING,
+    GATEWAY_WAITING_MAX,
+    OVERLOAD_REASON_LABEL,
     SLO_CLASS_LABEL,
     TPOT_BUCKETS_S,
     TTFT_BUCKETS_S,
@@ -84,6 +88,22 @@ class GatewayMetrics:
             "Requests of a sheddable SLO class refused at arrival (429): no prefill instance "
             "was predicted to produce their first token before the deadline.",
             [SLO_CLASS_LABEL],
+            registry=r,
+        )
+        self.overload_refused = Counter(
+            GATEWAY_OVERLOAD_REFUSED,
+            "Requests answered 503 with Retry-After under overload, by SLO class and reason: "
+            "too_late (predicted past deadline + useful wait), expired (still waiting "
+            "then), queue_full (the gateway's most waiting requests reached).",
+            [SLO_CLASS_LABEL, OVERLOAD_REASON_LABEL],
+            registry=r,
+        )
+        self.waiting = Gauge(
+            GATEWAY_WAITING, "Requests admitted and waiting for their first token.", registry=r
+        )
+        self.waiting_max = Gauge(
+            GATEWAY_WAITING_MAX,
+            "The most requests waiting for their first token at once since start.",
             registry=r,
         )
         self.table_reloads = Counter(

@@ -76,6 +76,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -85,10 +86,17 @@ from typing import TypeVar
 import httpx
 
 from flowprefill.contracts.deployment import HEALTH_PATH
-from flowprefill.contracts.gateway import HealthProbeSettings
+from flowprefill.contracts.gateway import HealthProbeSettings, OverloadSettings
 from flowprefill.contracts.names import Router
 from flowprefill.contracts.prefill_api import PrefillLoad
-from flowprefill.gateway.admission import Accept, Estimate, Refuse, decide, predicted_finish_s
+from flowprefill.gateway.admission import (
+    Accept,
+    Estimate,
+    LoadReport,
+    Refuse,
+    decide,
+    predicted_finish_s,
+)
 from flowprefill.gateway.errors import NoHealthyInstanceError, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -169,24 +177,6 @@ class Admitted:
     """Not the instance routing preferred (that one was predicted too late)."""
 
 
-@dataclass(frozen=True, slots=True)
-class LoadReport:
-    """An instance's :class:`PrefillLoad` as received at ``at_s`` (gateway clock), and the
-    tokens it holds that this gateway did not send."""
-
-    load: PrefillLoad
-    at_s: float
-    foreign_tokens: int
-
-    def foreign_tokens_at(self, now_s: float) -> float:
-        """What is left of the foreign work at ``now_s``: the engine predicted its whole
-        backlog done in ``queue_delay_s``; the foreign part drains in proportion."""
-        if self.foreign_tokens <= 0 or self.load.queue_delay_s <= 0:
-            return 0.0
-        left = 1.0 - (now_s - self.at_s) / self.load.queue_delay_s
-        return self.foreign_tokens * min(1.0, max(0.0, left))
-
-
 class InstancePool:
     """The instances of one role (prefill or decode) behind the gateway."""
 
@@ -200,6 +190,7 @@ class InstancePool:
         clock: Callable[[], float] = time.monotonic,
         base_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
+        overload: OverloadSettings | None = None,
     ) -> None:
         if not urls:
             raise ValueError(f"no {role} instances configured")
@@ -210,6 +201,8 @@ class InstancePool:
         self.clock = clock
         self.base_backoff_s = base_backoff_s
         self.max_backoff_s = max_backoff_s
+        self.overload = overload or OverloadSettings()
+        """Useful wait and queue bound of admission (docs/gateway.md, "Overload")."""
         self._rr = itertools.count()
         self.reports: dict[str, LoadReport] = {}
         """Instance URL -> its latest load report."""
@@ -255,12 +248,15 @@ class InstancePool:
             ahead += report.foreign_tokens_at(now_s)
         return predicted_finish_s(now_s, ahead, num_tokens, self.predict_s)
 
-    def admit(self, work: Placement, *, sheddable: bool) -> Admitted | Refuse:
+    def admit(
+        self, work: Placement, *, sheddable: bool, useful_wait_s: float = math.inf
+    ) -> Admitted | Refuse:
         """Where ``work`` goes (:class:`Admitted`), or that it is refused
-        (:func:`~flowprefill.gateway.admission.decide` on the routing policy's pick).
-        Raises NoHealthyInstanceError with nothing to pick."""
+        (:func:`~flowprefill.gateway.admission.decide` on the routing policy's pick, with
+        ``useful_wait_s`` past the deadline for a non-sheddable request). Raises
+        NoHealthyInstanceError with nothing to pick."""
         preferred = self.pick(deadline_s=work.deadline_s, num_tokens=work.num_tokens)
-        if not sheddable:
+        if not sheddable and useful_wait_s == math.inf:
             return Admitted(work.request_id, preferred)
         now = self.clock()
         estimates = [
@@ -273,10 +269,11 @@ class InstancePool:
             for inst in self.healthy()
         ]
         decision = decide(
-            sheddable=True,
+            sheddable=sheddable,
             deadline_s=work.deadline_s,
             estimates=estimates,
             preferred=self.instances.index(preferred),
+            useful_wait_s=useful_wait_s,
         )
         if isinstance(decision, Accept):
             return Admitted(work.request_id, self.instances[decision.index], decision.rerouted)
