@@ -19,7 +19,14 @@ Both shed only *sheddable* classes — a negative priority, as in the SLOClass C
 decide with the gateway's own function (:func:`flowprefill.gateway.admission.decide`) on
 the instance the router chose (:data:`SIM_PRIORITIES`: the paper's task types with
 ``file`` sheddable, unless a run says otherwise). Built without priorities, every class
-is sheddable (the earlier experiment).
+is sheddable (the earlier experiment). Any other class is refused as the gateway refuses
+it with 503 ``too_late``: predicted past its deadline plus its useful wait
+(:class:`~flowprefill.contracts.gateway.OverloadSettings`, the gateway's defaults unless
+given). The gateway's other two overload bounds are not simulated: ``expired`` (abandoning
+an admitted request still waiting past its useful wait) would need the simulated engine to
+cancel a queued request, and ``queue_full`` counts a gateway's waiting requests, which the
+simulator's per-instance admission does not see; both only act once the first has let
+more in than the instances can serve.
 
 Admission reads an instance's scheduler queues and the scheduler's own ``predict_s``.
 
@@ -41,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from flowprefill.contracts import names
+from flowprefill.contracts.gateway import OverloadSettings
 from flowprefill.contracts.slo import PAPER_PRIORITIES
 from flowprefill.gateway import routing
 from flowprefill.gateway.admission import (
@@ -100,10 +108,14 @@ class Admission(Protocol):
 
 class _Shed(ABC):
     """Admission by :func:`~flowprefill.gateway.admission.decide` on one instance;
-    ``sheddable``: the classes it may refuse (None: every class)."""
+    ``sheddable``: the classes it may shed (None: every class); the others are refused
+    past their useful wait (``overload``)."""
 
-    def __init__(self, sheddable: frozenset[str] | None = None) -> None:
+    def __init__(
+        self, sheddable: frozenset[str] | None = None, overload: OverloadSettings | None = None
+    ) -> None:
         self.sheddable = sheddable
+        self.overload = overload or OverloadSettings()
 
     @abstractmethod
     def finish_s(self, request: Request, scheduler: Scheduler, now_s: float) -> float:
@@ -111,11 +123,13 @@ class _Shed(ABC):
 
     def admit(self, request: Request, scheduler: Scheduler, now_s: float) -> bool:
         sheddable = self.sheddable is None or request.slo_class in self.sheddable
-        if not sheddable:
-            return True
         estimate = Estimate(0, self.finish_s(request, scheduler, now_s))
         decision = decide(
-            sheddable=True, deadline_s=request.deadline_s, estimates=[estimate], preferred=0
+            sheddable=sheddable,
+            deadline_s=request.deadline_s,
+            estimates=[estimate],
+            preferred=0,
+            useful_wait_s=self.overload.useful_wait_s(request.ttft_slo_s),
         )
         return not isinstance(decision, Refuse)
 
