@@ -132,9 +132,9 @@ def take_snapshot(scheduler: Scheduler, *, running: bool) -> EngineSnapshot:
     tasks = list(scheduler.preempted.values())
     if scheduler.running is not None:
         tasks.append(scheduler.running)
+    # Once per round on the scheduler thread: never a sum over the waiting queue.
     tokens = round(
-        sum(r.num_tokens for r in waiting.values())
-        + sum(t.num_tokens * max(0.0, 1.0 - t.progress) for t in tasks)
+        scheduler.waiting_tokens + sum(t.num_tokens * max(0.0, 1.0 - t.progress) for t in tasks)
     )
     return EngineSnapshot(
         running=running,

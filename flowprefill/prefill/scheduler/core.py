@@ -299,6 +299,11 @@ class Scheduler:
         return kept
 
     @property
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of the waiting requests (O(1): kept by the queue)."""
+        return self._queue.num_tokens
+
+    @property
     def queue_depth(self) -> int:
         """Requests not yet finished: waiting plus those in running or preempted tasks."""
         return len(self.waiting) + sum(

@@ -106,6 +106,8 @@ class WaitingQueue:
         self._buckets: dict[int, _Bucket] = {}
         self._switches = SortedList()  # (switch_s, seq, request_id) of early entries
         self._now_s = -math.inf
+        self.num_tokens = 0
+        """Prompt tokens of every waiting request (kept as they come and go)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -123,12 +125,14 @@ class WaitingQueue:
         phases = self.policy.phases(rank)
         entry = _Entry(request, rank, phases, bucket_of(request.num_tokens))
         self._entries[request.request_id] = entry
+        self.num_tokens += request.num_tokens
         self._place(entry)
 
     def remove(self, request_id: str) -> Request | None:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return None
+        self.num_tokens -= entry.request.num_tokens
         bucket = self._buckets[entry.bucket]
         for lists in (self._all, bucket):
             if entry.late:

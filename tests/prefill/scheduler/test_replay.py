@@ -160,3 +160,13 @@ def test_only_larger_candidates_are_skipped_after_one_too_slow() -> None:
     s.add(Request.create("smaller", arrival_s=0.0, ttft_slo_s=6.2, num_tokens=598))
     batch = s.schedule(0.0).commands[0].task.requests
     assert [r.request_id for r in batch] == ["lead", "smaller"]
+
+
+def test_the_waiting_tokens_are_kept_as_requests_come_and_go() -> None:
+    s = Scheduler(predict_s=PREDICTORS["linear"], batching=get_batching("none"))
+    for i, tokens in enumerate((5, 7, 11)):
+        s.add(Request.create(f"r{i}", arrival_s=0.0, ttft_slo_s=1.0 + i, num_tokens=tokens))
+    assert s.waiting_tokens == 23
+    s.schedule(0.0)  # r0 runs
+    s.cancel("r2", 0.0)
+    assert s.waiting_tokens == 7 == sum(r.num_tokens for r in s.waiting.values())

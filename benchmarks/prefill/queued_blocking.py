@@ -1,0 +1,193 @@
+"""Preemption blocking and prefill time of a running task while the queue is long and
+arrivals stream in: what the scheduler's rounds cost the executor under the GIL.
+
+The engine's loop thread runs a scheduling round for every arrival; the executor thread
+runs the prefill and must take the GIL at each checkpoint to see a preemption signal. A
+round that ranks the whole queue therefore slows the prefill and delays the ACK of an
+urgent preemption. Per arm (queued requests × scheduler):
+
+1. a blocker prompt (twice the long one) runs while ``--queued`` relaxed requests are
+   queued behind it (they rank after everything below);
+2. the long prompt arrives and preempts the blocker; while it runs, relaxed arrivals
+   stream in at ``--rate`` per second and ``--probes`` urgent short prompts arrive at
+   spread moments, each preempting it;
+3. recorded: the urgent preemptions' blocking (signal → ACK, the engine's own
+   measurement), the long prompt's TTFT, and how many rounds ran meanwhile.
+
+Batching is off (``none``), so every arm does the same work: a probe runs alone, not
+with queued requests. Schedulers: ``indexed`` (the engine's) and ``ranking``
+(:mod:`flowprefill.lab.ranking`, which ranks every entry: the engine before its queue
+was indexed), swapped into the engine for the run. Arms alternate repeat by repeat so
+drift hits every arm alike; the engine is dropped without draining after each repeat.
+
+    python benchmarks/prefill/queued_blocking.py                    # 0 / 1,000 / 10,000 queued
+    python benchmarks/prefill/queued_blocking.py --queued 0,100 --repeats 1 --tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+import flowprefill.prefill.engine as engine_module
+from flowprefill.lab.ranking import RankingScheduler
+from flowprefill.models import build_named
+from flowprefill.prefill.engine import PrefillEngine
+from flowprefill.prefill.executor.runner import PreemptibleExecutor
+from flowprefill.prefill.predictor.model import TTFTPredictor
+from flowprefill.prefill.scheduler.core import Scheduler
+
+SCHEDULERS: dict[str, type[Scheduler]] = {"indexed": Scheduler, "ranking": RankingScheduler}
+RELAXED_SLO_S = 1e6
+"""Queued and streaming requests: due long after the long prompt (1e5 s) and the probes."""
+
+
+@dataclass
+class Arm:
+    queued: int
+    scheduler: str
+    blocking_ms: list[float] = field(default_factory=list)
+    long_ttft_ms: list[float] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)
+    arrivals: list[int] = field(default_factory=list)
+
+
+@contextmanager
+def engine_with(
+    cls: type[Scheduler], ex: PreemptibleExecutor, predictor: TTFTPredictor
+) -> Iterator[PrefillEngine]:
+    """A started engine whose scheduler is ``cls`` (swapped in where the engine builds it)."""
+    saved = engine_module.Scheduler
+    engine_module.Scheduler = cls  # type: ignore[misc]
+    try:
+        engine = PrefillEngine(ex, predictor, batching="none").start()
+    finally:
+        engine_module.Scheduler = saved  # type: ignore[misc]
+    try:
+        yield engine
+    finally:
+        engine.close(drain=False, timeout_s=30)
+
+
+def wait_until(cond: object, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engine did not take the queued requests in time")
+        time.sleep(0.01)
+
+
+def one_run(
+    arm: Arm,
+    ex: PreemptibleExecutor,
+    predictor: TTFTPredictor,
+    long_prompt: list[int],
+    long_s: float,
+    args: argparse.Namespace,
+) -> None:
+    short = [7] * 16
+    with engine_with(SCHEDULERS[arm.scheduler], ex, predictor) as engine:
+        blocker = engine.submit(long_prompt * 2, ttft_slo_s=2e5, request_id="blocker")
+        wait_until(lambda: engine.scheduler.running is not None, 30)
+        for i in range(arm.queued):
+            engine.submit(short, ttft_slo_s=RELAXED_SLO_S, request_id=f"q{i}")
+        wait_until(lambda: engine.snapshot.num_requests >= arm.queued + 1, 120)
+        if blocker.done():
+            raise RuntimeError("the blocker finished before the queue was filled: more --tokens")
+        rounds_before = engine.scheduler.stats.num_rounds
+        engine.blocking_times_s.clear()
+        long_f = engine.submit(long_prompt, ttft_slo_s=1e5, request_id="long")
+        stop, streamed = threading.Event(), [0]
+
+        def stream() -> None:
+            gap_s = 1.0 / args.rate
+            while not stop.wait(gap_s):
+                engine.submit(short, ttft_slo_s=RELAXED_SLO_S, request_id=f"s{streamed[0]}")
+                streamed[0] += 1
+
+        streamer = threading.Thread(target=stream, daemon=True)
+        streamer.start()
+        probes = []
+        for k in range(args.probes):
+            time.sleep(long_s / (args.probes + 1))
+            probes.append(engine.submit(short, ttft_slo_s=0.05 * (k + 1), request_id=f"u{k}"))
+        long = long_f.result(timeout=120 + 20 * long_s)
+        stop.set()
+        streamer.join()
+        for p in probes:
+            p.result(timeout=60)
+        # The first preemption is the blocker's (by the long prompt): not a probe's.
+        arm.blocking_ms += [b * 1e3 for b in list(engine.blocking_times_s)[1:]]
+        arm.long_ttft_ms.append(long.ttft_s * 1e3)
+        arm.rounds.append(engine.scheduler.stats.num_rounds - rounds_before)
+        arm.arrivals.append(streamed[0])
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--tokens", type=int, default=4096, help="the long prompt's length")
+    ap.add_argument("--queued", default="0,1000,10000", help="waiting requests per arm")
+    ap.add_argument("--schedulers", default="indexed,ranking")
+    ap.add_argument("--rate", type=float, default=200.0, help="streaming arrivals per second")
+    ap.add_argument("--probes", type=int, default=4, help="urgent preemptions per long prompt")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = build_named(args.model, seed=1)
+    long_prompt = torch.randint(0, 2000, (args.tokens,)).tolist()
+    arms = [
+        Arm(int(q), name) for q in args.queued.split(",") for name in args.schedulers.split(",")
+    ]
+    console = Console()
+    with PreemptibleExecutor(model, granularity="operator") as ex:
+        ex.prefill([long_prompt])  # warm-up
+        t0 = time.perf_counter()
+        ex.prefill([long_prompt])
+        long_s = time.perf_counter() - t0
+        predictor = TTFTPredictor.linear(per_token_s=long_s / args.tokens)
+        with Progress(console=console, transient=True) as progress:
+            job = progress.add_task("arms", total=args.repeats * len(arms))
+            for repeat in range(args.repeats):
+                for arm in arms if repeat % 2 == 0 else list(reversed(arms)):
+                    progress.update(job, description=f"{arm.queued} queued, {arm.scheduler}")
+                    one_run(arm, ex, predictor, long_prompt, long_s, args)
+                    progress.advance(job)
+    table = Table(
+        title=f"{args.tokens}-token prefill ({args.model}, alone {long_s * 1e3:.0f} ms) with "
+        f"{args.rate:g} arrivals/s streaming and {args.probes} urgent preemptions, "
+        f"{args.repeats} repeats"
+    )
+    for column in ("queued", "scheduler", "blocking mean ms", "blocking p99 ms",
+                   "long TTFT ms (median)", "rounds", "arrivals"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for arm in arms:
+        table.add_row(
+            f"{arm.queued:,}",
+            arm.scheduler,
+            f"{statistics.fmean(arm.blocking_ms):.2f}" if arm.blocking_ms else "-",
+            f"{pct(arm.blocking_ms, 0.99):.2f}" if arm.blocking_ms else "-",
+            f"{statistics.median(arm.long_ttft_ms):.0f}",
+            f"{sum(arm.rounds):,}",
+            f"{sum(arm.arrivals):,}",
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
