@@ -16,6 +16,8 @@ from flowprefill.models import named_model_dir
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from tests.helpers import free_port, wait_ready
 
+QUEUE_DEPTH = "flowprefill_prefill_queue_depth "
+
 
 def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
     model_dir = named_model_dir("tiny-llama", cache_dir=tmp_path / "models")
@@ -53,9 +55,18 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
             }
             return httpx.post(f"{url}/v1/prefill", json=body, timeout=120).status_code
 
+        def queued() -> float:
+            text = httpx.get(f"{url}/metrics", timeout=5).text
+            line = next(x for x in text.splitlines() if x.startswith(QUEUE_DEPTH))
+            return float(line.split()[-1])
+
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(call, i) for i in range(6)]
-            time.sleep(0.3)
+            # All six in flight before the signal (on a loaded machine sending six 8K-token
+            # bodies can take longer than any fixed sleep): none of them may be dropped.
+            deadline = time.monotonic() + 60
+            while queued() < 6 and time.monotonic() < deadline:
+                time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.2)
             refused = False
