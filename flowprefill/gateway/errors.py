@@ -95,7 +95,8 @@ class OverloadError(GatewayError):
         retry = max(1, math.ceil(retry_after_s))
         super().__init__(
             503,
-            f"overloaded: SLO class {slo_class!r} request {detail}; retry after {retry} s",
+            f"overloaded ({reason}): SLO class {slo_class!r} request {detail}; "
+            f"retry after {retry} s",
             str(reason),
         )
         self.slo_class = slo_class

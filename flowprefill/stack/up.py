@@ -53,6 +53,7 @@ from flowprefill.contracts.deployment import (
     PREFILL_SIDE_CHANNEL_PORT,
 )
 from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, MAX_TP_SIZE, max_blocking_arg
+from flowprefill.contracts.gateway import OverloadSettings
 from flowprefill.contracts.nixl import NIXL_PROGRESS_THREAD_ENV
 from flowprefill.contracts.processes import (
     Launcher,
@@ -167,6 +168,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--routing", default=Router.SLACK_AWARE, type=name_arg(Router), choices=list(Router)
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=OverloadSettings().max_waiting,
+        help="the gateway answers 503 beyond this many requests waiting for their first "
+        "token (gateway.json overload.max_waiting; docs/gateway.md, Overload)",
     )
     p.add_argument("--profile", help="TTFT profile JSON (profiled once at start when absent)")
     p.add_argument(
@@ -332,6 +340,7 @@ def plan_stack(
         decode=decode_eps,
         prefill_routing=args.routing,
         predictor_path=str(profile),
+        overload=OverloadSettings(max_waiting=args.max_waiting),
     )
     files["gateway.json"] = gateway_cfg.model_dump_json(indent=2)
     gateway = gateway_process(
