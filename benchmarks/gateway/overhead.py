@@ -17,9 +17,11 @@ Added latency = p50/p99 of (client → gateway → stubs) minus the stubs called
 sequence (prefill then decode, the bodies the gateway sends) by the same client,
 interleaved. Sustained = completed requests/s with ``--concurrency`` clients for
 ``--seconds``. On a small machine the load generator and the stubs take CPU the gateway
-could use, so the gateway's own CPU time per request (from /proc) is reported too: it does
-not depend on what else runs. With ``--baseline`` git revisions each gateway runs in its
-own process and the measurements alternate between them, ``--rounds`` times.
+could use, so the gateway's own CPU time per request (from /proc) is reported too, and
+requests/s per gateway core (completed requests per second of the gateway's CPU time): they
+depend less on what else runs (cache and scheduler contention still inflate them). With
+``--baseline`` git revisions each gateway runs in its own process and the measurements
+alternate between them, ``--rounds`` times.
 
 Every answer is checked (status 200, no error event, ``[DONE]`` at the end); the command
 exits 1 when any request failed.
@@ -289,41 +291,18 @@ def wait_ready(url: str, proc: Any = None) -> None:
     raise RuntimeError(f"{url} did not become ready")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--seconds", type=float, default=10.0, help="throughput time per round")
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=300, help="latency samples per round")
-    ap.add_argument("--warmup", type=int, default=20, help="unmeasured pairs per round")
-    ap.add_argument(
-        "--baseline",
-        nargs="*",
-        default=[],
-        metavar="REV",
-        help="also run the gateway as of these git revisions",
-    )
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument(
-        "--client", default="auto", choices=("auto", "aiohttp", "httpx"), help="load generator"
-    )
-    args = ap.parse_args(argv)
-
-    from flowprefill.models import named_model_dir
-
-    model_dir = named_model_dir("tiny-llama")
-    tmp = Path(tempfile.mkdtemp())
-    variants = [Variant("this tree", None)]
-    for rev in args.baseline:
-        variants.append(Variant(rev, checkout(rev, tmp / f"src-{rev}")))
-    stub_port = free_port()
-    stub = f"http://127.0.0.1:{stub_port}"
+def write_configs(tmp: Path, stub_port: int, model_dir: Path, ttft_slo_ms: int = 250) -> None:
+    """``tmp/gw.json`` (a gateway whose prefill and decode instance is the stub at
+    ``stub_port``) and ``tmp/slo.json`` (one class, chat, ``ttft_slo_ms``)."""
     table = SLOTable(
         default_class="chat",
         classes=[
             SLOTableClass(
-                name="chat", task_type="text", ttft_slo_ms=250, priority=0, attainment_target=0.9
+                name="chat",
+                task_type="text",
+                ttft_slo_ms=ttft_slo_ms,
+                priority=0,
+                attainment_target=0.9,
             )
         ],
     )
@@ -339,6 +318,47 @@ def main(argv: list[str] | None = None) -> int:
         decode=[ep],
     )
     (tmp / "gw.json").write_text(config.model_dump_json(exclude_defaults=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seconds", type=float, default=10.0, help="throughput time per round")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=300, help="latency samples per round")
+    ap.add_argument("--warmup", type=int, default=20, help="unmeasured pairs per round")
+    ap.add_argument(
+        "--baseline",
+        nargs="*",
+        default=[],
+        metavar="REV",
+        help="also run the gateway as of these git revisions",
+    )
+    ap.add_argument(
+        "--baseline-src",
+        nargs="*",
+        default=[],
+        metavar="DIR",
+        help="also run the gateway from these checkouts (a directory holding flowprefill/)",
+    )
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument(
+        "--client", default="auto", choices=("auto", "aiohttp", "httpx"), help="load generator"
+    )
+    args = ap.parse_args(argv)
+
+    from flowprefill.models import named_model_dir
+
+    model_dir = named_model_dir("tiny-llama")
+    tmp = Path(tempfile.mkdtemp())
+    variants = [Variant("this tree", None)]
+    for rev in args.baseline:
+        variants.append(Variant(rev, checkout(rev, tmp / f"src-{rev}")))
+    variants += [Variant(src, src) for src in args.baseline_src]
+    stub_port = free_port()
+    stub = f"http://127.0.0.1:{stub_port}"
+    write_configs(tmp, stub_port, model_dir)
     stub_proc = mp.get_context("spawn").Process(target=serve_stub, args=(stub_port,), daemon=True)
     stub_proc.start()
     for i, v in enumerate(variants):
@@ -388,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "added p99 ms",
         "req/s",
         "gw CPU ms/req",
+        "req/s per gw core",
         "CPU gw/stub/load",
         "failed",
     ):
@@ -405,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{pct(added, 0.99) * 1e3:.2f}" if added else "-",
             f"{v.done / v.wall_s:.0f}",
             f"{v.cpu_s['gateway'] / max(v.done, 1) * 1e3:.2f}",
+            f"{v.done / v.cpu_s['gateway']:.0f}" if v.cpu_s["gateway"] else "-",
             share,
             str(v.failures.count),
         )

@@ -1,11 +1,16 @@
 """Upstreams that answer at once, built from the contracts: a prefill instance
 (:mod:`flowprefill.contracts.prefill_api`, streamed and not, framed with
 :mod:`flowprefill.web.sse` as the prefill server frames it) and a vLLM decode instance
-(OpenAI completion stream with the usage chunk). The gateway overhead benchmark runs them
-in a process of their own."""
+(OpenAI completion stream with the usage chunk). The gateway benchmarks run them in a
+process of their own.
+
+Held streams (:class:`Hold`, for the open-streams sweep): the decode stub sends its first
+chunk, then waits until ``POST /stub/release`` before the rest, so that N streams are open
+through the gateway at once; ``GET /stub/open`` counts the streams it is holding."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,10 +51,26 @@ async def prefill_events(request: PrefillRequest) -> AsyncIterator[str]:
     yield DONE
 
 
-async def decode_events(body: dict[str, Any]) -> AsyncIterator[str]:
+class Hold:
+    """The gate held decode streams wait at (after their first chunk) and their count."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.gate = asyncio.Event()
+
+    def hold(self) -> None:
+        """From now on, streams wait at the gate."""
+        self.gate = asyncio.Event()
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+async def decode_events(body: dict[str, Any], hold: Hold | None = None) -> AsyncIterator[str]:
     """vLLM's OpenAI completion stream: one chunk per token, the usage chunk when
     ``stream_options.include_usage`` asks for it (the gateway reads the completion tokens
-    from it), ``[DONE]``."""
+    from it), ``[DONE]``. With ``hold``, the stream waits at its gate after the first chunk
+    (counted in ``hold.open`` meanwhile)."""
     n = min(DECODE_TOKENS, int(body.get("max_tokens", 1)))
     envelope = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub"}
     for i in range(n):
@@ -62,6 +83,12 @@ async def decode_events(body: dict[str, Any]) -> AsyncIterator[str]:
             "stop_reason": None,
         }
         yield sse_event({**envelope, "choices": [choice]})
+        if i == 0 and hold is not None and not hold.gate.is_set():
+            hold.open += 1
+            try:
+                await hold.gate.wait()
+            finally:
+                hold.open -= 1
     if (body.get("stream_options") or {}).get("include_usage"):
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
         usage["total_tokens"] = usage["prompt_tokens"] + n
@@ -69,7 +96,8 @@ async def decode_events(body: dict[str, Any]) -> AsyncIterator[str]:
     yield DONE
 
 
-def stub_app() -> Any:
+def stub_app(hold: Hold | None = None) -> Any:
+    """The stub upstreams' app; with ``hold``, decode streams are held (see the module)."""
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
@@ -83,7 +111,24 @@ def stub_app() -> Any:
 
     @app.post("/v1/completions")
     async def completions(body: dict[str, Any]) -> StreamingResponse:
-        return StreamingResponse(decode_events(body), media_type=MEDIA_TYPE)
+        return StreamingResponse(decode_events(body, hold), media_type=MEDIA_TYPE)
+
+    if hold is not None:
+        gate = hold
+
+        @app.get("/stub/open")
+        async def held() -> dict[str, int]:
+            return {"open": gate.open}
+
+        @app.post("/stub/hold")
+        async def start_holding() -> dict[str, int]:
+            gate.hold()
+            return {"open": gate.open}
+
+        @app.post("/stub/release")
+        async def release() -> dict[str, int]:
+            gate.release()
+            return {"open": gate.open}
 
     @app.get(HEALTH_PATH)
     @app.get(READY_PATH)
@@ -93,7 +138,21 @@ def stub_app() -> Any:
     return app
 
 
-def serve_stub(port: int) -> None:
+def serve_stub(port: int, hold: bool = False) -> None:
     import uvicorn
 
-    uvicorn.run(stub_app(), host="127.0.0.1", port=port, log_level="error")
+    raise_fd_limit()
+    app = stub_app(Hold() if hold else None)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", backlog=4096)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (children inherit it); the
+    limit now. An open stream takes a socket at the client, two at the gateway (client and
+    decode upstream) and one at the stub."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from flowprefill.contracts.deployment import SLO_CLASS_USED_HEADER, SLO_FALLBACK_HEADER
 from flowprefill.contracts.gateway import HealthProbeSettings
@@ -41,7 +41,7 @@ from flowprefill.gateway.errors import ClientError, GatewayError, as_gateway_err
 from flowprefill.gateway.metrics import GatewayMetrics, export_slo_targets
 from flowprefill.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from flowprefill.gateway.prefill import PrefillStage
-from flowprefill.gateway.relay import Relay, models_body
+from flowprefill.gateway.relay import EventStreamResponse, Relay, models_body
 from flowprefill.gateway.routing import HealthProber, InstancePool
 from flowprefill.gateway.tokens import Tokenizer
 from flowprefill.gateway.upstream import DecodeClient, PrefillClient
@@ -130,7 +130,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
 
     async def serve(
         request: Request, body: CompletionRequest | ChatCompletionRequest
-    ) -> JSONResponse | StreamingResponse:
+    ) -> JSONResponse | EventStreamResponse:
         job = intake(
             body,
             arrival_s=state.clock(),
@@ -154,13 +154,13 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
 
     async def _answer(
         request: Request, job: Job, headers: dict[str, str]
-    ) -> JSONResponse | StreamingResponse:
+    ) -> JSONResponse | EventStreamResponse:
         answer = await unless_disconnected(request, prefill.run(job))
         first_text = state.tokenizer.decode_token(answer.first_token_id)
         pieces = decode.continuation(job, answer)
         if job.body.stream:
             events = relay.stream(job, first_text, pieces)
-            return StreamingResponse(events, media_type=MEDIA_TYPE, headers=headers)
+            return EventStreamResponse(events, media_type=MEDIA_TYPE, headers=headers)
         return JSONResponse(await relay.collect(job, first_text, pieces), headers=headers)
 
     @app.post("/v1/completions")

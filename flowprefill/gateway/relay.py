@@ -15,17 +15,29 @@ and ends with an error event and ``[DONE]`` (no usage, as vLLM).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
+
+from pydantic_core import to_json
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from flowprefill.gateway.classify import Job
 from flowprefill.gateway.decode import Piece
 from flowprefill.gateway.errors import GatewayError
 from flowprefill.gateway.metrics import GatewayMetrics
 from flowprefill.web.errors import error_body
-from flowprefill.web.sse import DONE, sse_event
+from flowprefill.web.sse import DONE
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    """One SSE event, framed as :func:`flowprefill.web.sse.sse_event` frames it but encoded
+    by pydantic-core (compact, UTF-8): several times less CPU than ``json.dumps``, and a
+    stream writes one per token."""
+    return f"data: {to_json(payload).decode()}\n\n"
 
 
 def usage(job: Job) -> dict[str, int]:
@@ -85,6 +97,61 @@ def error_event(err: GatewayError) -> str:
     return sse_event(error_body(str(err), "upstream_error", code=err.reason))
 
 
+_DONE = DONE.encode()
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE answer: Starlette's :class:`StreamingResponse` (same headers, same events)
+    sent with less work per request and per event.
+
+    A client that disconnects still stops the stream at once — the events' generator is
+    cancelled wherever it waits (decode's upstream read: its connection closes) — but the
+    disconnect is watched by one plain asyncio task that cancels the sending one, where
+    Starlette (under uvicorn's ASGI 2.3) runs an anyio task group of two per response; and
+    the event that ends with ``[DONE]`` is sent with the body's end, one write less."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            try:
+                await self._send_all(send)
+            finally:
+                watcher.cancel()
+                # Closes the events' generator (and so decode) when it did not end by itself.
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        except asyncio.CancelledError:
+            # Ours (the client left), not the server's: the answer is over, nothing to send.
+            if gone and task.uncancel() == 0:
+                return
+            raise
+        if self.background is not None:
+            await self.background()
+
+    async def _send_all(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            data = chunk.encode(self.charset) if isinstance(chunk, str) else bytes(chunk)
+            ended = data.endswith(_DONE)
+            await send({"type": "http.response.body", "body": data, "more_body": not ended})
+            if ended:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 def models_body(model: str) -> dict[str, Any]:
     """``GET /v1/models``."""
     return {
@@ -118,7 +185,9 @@ class Relay:
         else:  # as vLLM does: no usage after an error event
             self._decoded(job, first_s)
             if options is not None and options.include_usage:
-                yield usage_event(job, self.model)
+                # With [DONE], as one write: nothing comes between them.
+                yield usage_event(job, self.model) + DONE
+                return
         yield DONE
 
     async def collect(

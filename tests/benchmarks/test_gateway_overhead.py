@@ -25,3 +25,14 @@ def test_a_tiny_run_completes_every_request(tmp_path: Path) -> None:
     # The benchmark exits 1 when any request failed, naming the first failure.
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "this tree" in run.stdout and "request(s) failed" not in run.stdout
+
+
+@pytest.mark.slow
+def test_a_tiny_open_streams_sweep_holds_every_stream(tmp_path: Path) -> None:
+    """benchmarks/gateway/streams.py at its smallest size: the stub holds the streams until
+    all are open through the gateway, then every one ends whole (the script exits 1 when a
+    stream failed or fewer were open at once)."""
+    from tests.benchmarks.smoke import run_script
+
+    out = run_script("gateway/streams.py", "--levels", "3", "--ramp", "2", tmp_path=tmp_path)
+    assert "RSS/stream KiB" in out
