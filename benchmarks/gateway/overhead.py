@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.gateway.stubs import DECODE_TOKENS, PROMPT, serve_stub
 from benchmarks.stack.common import free_port
 from flowprefill.contracts.deployment import PREFILL_API_PATH
-from flowprefill.contracts.gateway import Endpoint, GatewayConfig
+from flowprefill.contracts.gateway import Endpoint, GatewayConfig, HealthProbeSettings
 from flowprefill.contracts.prefill_api import (
     PrefillRequest,
 )
@@ -291,9 +291,16 @@ def wait_ready(url: str, proc: Any = None) -> None:
     raise RuntimeError(f"{url} did not become ready")
 
 
-def write_configs(tmp: Path, stub_port: int, model_dir: Path, ttft_slo_ms: int = 250) -> None:
+def write_configs(
+    tmp: Path,
+    stub_port: int,
+    model_dir: Path,
+    ttft_slo_ms: int = 250,
+    health_probe: HealthProbeSettings | None = None,
+) -> None:
     """``tmp/gw.json`` (a gateway whose prefill and decode instance is the stub at
-    ``stub_port``) and ``tmp/slo.json`` (one class, chat, ``ttft_slo_ms``)."""
+    ``stub_port``; ``health_probe``: its probing, None: the default) and ``tmp/slo.json``
+    (one class, chat, ``ttft_slo_ms``)."""
     table = SLOTable(
         default_class="chat",
         classes=[
@@ -316,6 +323,7 @@ def write_configs(tmp: Path, stub_port: int, model_dir: Path, ttft_slo_ms: int =
         tokenizer_path=str(model_dir),
         prefill=[ep],
         decode=[ep],
+        **({"health_probe": health_probe} if health_probe is not None else {}),
     )
     (tmp / "gw.json").write_text(config.model_dump_json(exclude_defaults=True))
 

@@ -48,6 +48,7 @@ from benchmarks.gateway.overhead import (
 )
 from benchmarks.gateway.stubs import raise_fd_limit, serve_stub
 from benchmarks.stack.common import free_port
+from flowprefill.contracts.gateway import HealthProbeSettings
 
 FDS_SPARE = 200
 """Descriptors a gateway needs besides its streams' (listening socket, pooled prefill
@@ -161,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     # A TTFT target of minutes: opening thousands of streams at once queues them at the
     # gateway for seconds on a small machine, and admission would answer 503 (useful wait
     # over) to what this benchmark means to hold.
-    write_configs(tmp, stub_port, named_model_dir("tiny-llama"), ttft_slo_ms=600_000)
+    # Lenient health probes: the stub is one Python process holding every stream on a
+    # machine the load generator and the gateway share, and can take seconds to answer
+    # /health at thousands of streams; the default probes would declare it stalled and
+    # abandon the streams this benchmark means to hold.
+    probes = HealthProbeSettings(interval_s=5, timeout_s=60, failures=100)
+    write_configs(tmp, stub_port, named_model_dir("tiny-llama"), 600_000, probes)
     ctx = mp.get_context("spawn")
     stub_proc = ctx.Process(target=serve_stub, args=(stub_port, True), daemon=True)
     stub_proc.start()

@@ -296,9 +296,10 @@ class InstancePool:
 
     def mark_failure(self, inst: Instance) -> None:
         inst.consecutive_failures += 1
-        backoff = min(
-            self.max_backoff_s, self.base_backoff_s * 2 ** (inst.consecutive_failures - 1)
-        )
+        # The exponent capped: thousands of streams abandoned at once (a stalled instance)
+        # count thousands of failures, and 2.0 ** 1024 overflows a float.
+        doublings = min(inst.consecutive_failures - 1, 60)
+        backoff = min(self.max_backoff_s, self.base_backoff_s * 2**doublings)
         inst.healthy = False
         inst.retry_after_s = self.clock() + backoff
 
