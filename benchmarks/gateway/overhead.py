@@ -74,8 +74,12 @@ def start_gateway(config: Path, table: Path, port: int, src: str | None, log: Pa
     command = [sys.executable, "-m", "flowprefill.cli", "serve-gateway"]
     command += ["--config", str(config), "--slo-table", str(table)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
+    # Run from ``src``: ``python -m`` puts the working directory first on sys.path, ahead
+    # of PYTHONPATH, so from the repository root every variant would import this tree.
     with log.open("ab") as out:
-        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=src or None
+        )
 
 
 # The load generator: aiohttp when installed (several times less CPU per request than
