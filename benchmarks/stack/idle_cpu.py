@@ -3,6 +3,7 @@
 ::
 
     python benchmarks/stack/idle_cpu.py [--idle-s 5] [--requests 4] [--model demo-llama]
+        [--variants nixl,nixl-progress,shared_dir]
 
 Starts one stack after another — ``--kv-transport nixl`` as ``up`` runs it on a CPU host
 (no NIXL progress thread), the same with ``--nixl-progress-thread`` (NIXL's progress
@@ -33,10 +34,13 @@ from benchmarks.stack.common import Server, up_server, wait_all
 from flowprefill.models import resolve_model_path
 from flowprefill.prefill.predictor.model import TTFTPredictor
 
-VARIANTS = {
-    "nixl (CPU default)": ["--kv-transport", "nixl"],
-    "nixl + progress threads": ["--kv-transport", "nixl", "--nixl-progress-thread"],
-    "shared_dir": ["--kv-transport", "shared_dir"],
+VARIANTS = {  # --variants key: (row label, up's extra arguments)
+    "nixl": ("nixl (CPU default)", ["--kv-transport", "nixl"]),
+    "nixl-progress": (
+        "nixl + progress threads",
+        ["--kv-transport", "nixl", "--nixl-progress-thread"],
+    ),
+    "shared_dir": ("shared_dir", ["--kv-transport", "shared_dir"]),
 }
 ROLES = ("prefill", "vllm-worker", "vllm-core", "vllm-api", "gateway")
 
@@ -70,7 +74,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--idle-s", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=None, help="logs (default: a temp dir)")
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help="stacks to start, in order (default: all)"
+    )
     args = ap.parse_args()
+    chosen = args.variants.split(",")
+    if unknown := [v for v in chosen if v not in VARIANTS]:
+        ap.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     console = Console(width=120)
     out = args.out or Path(tempfile.mkdtemp(prefix="idle-cpu-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -79,9 +89,10 @@ def main() -> None:
     TTFTPredictor.linear(2e-5).save(profile)  # the TTFT predictor plays no part here
 
     rows: dict[str, dict[str, float]] = {}
-    for i, (name, extra) in enumerate(VARIANTS.items()):
+    for i, key in enumerate(chosen):
+        name, extra = VARIANTS[key]
         server = up_server(f"v{i}", model_dir, profile, out, extra)
-        console.print(f"[{i + 1}/{len(VARIANTS)}] {name}: starting ({server.log})")
+        console.print(f"[{i + 1}/{len(chosen)}] {name}: starting ({server.log})")
         server.start()
         try:
             wait_all([server])

@@ -10,7 +10,7 @@ median, and the CPU seconds each process used (gateway, prefill, vLLM API server
 core, worker, and the client)::
 
     python benchmarks/stack/uniform.py [--rate 2] [--num-prompts 40] [--input-len 512]
-        [--output-len 16] [--rounds 3] [--systems flowprefill,vllm]
+        [--output-len 16] [--rounds 3] [--warmup 4] [--systems flowprefill,vllm]
         [--variant NAME='--threads 1' ...]
 
 ``--variant NAME=ARGS`` adds a ``flowprefill up`` with extra arguments (and ``KEY=VALUE``
@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--warmup", type=int, default=4, help="requests per system before the rounds (0: none)"
+    )
     ap.add_argument("--systems", default="flowprefill,vllm")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS")
     ap.add_argument(
@@ -111,12 +114,12 @@ def main() -> None:
                 s.start()
             wait_all(servers)
         bench_log = out / "vllm-bench.log"
-        with console.status("warm-up: 4 requests each"):
-            for s in servers:
+        with console.status(f"warm-up: {args.warmup} requests each"):
+            for s in servers if args.warmup else []:
                 vllm_bench_serve(
                     s.base_url, str(model_dir), model_dir, out / f"warmup-{s.name}.json",
                     input_len=args.input_len, output_len=args.output_len, rate=args.rate,
-                    num_prompts=4, seed=1000, log=bench_log,
+                    num_prompts=args.warmup, seed=1000, log=bench_log,
                 )  # fmt: skip
         for rnd in range(args.rounds):
             order = servers if rnd % 2 == 0 else list(reversed(servers))

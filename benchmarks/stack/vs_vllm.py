@@ -24,6 +24,7 @@ rate) into ``--out``.
 
     python benchmarks/stack/vs_vllm.py [--quick] [--seeds 0,1,2] [--duration 40]
         [--precision 0.1] [--systems flowprefill,flowprefill-fcfs,vllm]
+        [--warmup-lengths 64,512,2048,6000]
 
 A probe replays ``--duration`` seconds of arrivals (at least ``--min-requests``): the
 seed's first requests, so a faster rate sends more of the same sequence and every probe
@@ -253,6 +254,11 @@ def main() -> None:
     ap.add_argument("--max-rate", type=float, default=64.0)
     ap.add_argument("--length-scale", type=float, default=0.25, help="prompt lengths × this")
     ap.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
+    ap.add_argument(
+        "--warmup-lengths",
+        default="64,512,2048,6000",
+        help="prompt lengths sent to each system, one at a time, before the first probe",
+    )
     ap.add_argument("--systems", default="flowprefill,flowprefill-fcfs,vllm")
     ap.add_argument("--profile", help="TTFT profile JSON (default: profiled here)")
     ap.add_argument("--out", default=f"runs/stack-vs-vllm-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -312,7 +318,7 @@ def main() -> None:
                 s.start()
             wait_all(servers)
             for s in servers:
-                warm_up(s, model, [64, 512, 2048, 6000])
+                warm_up(s, model, [int(n) for n in args.warmup_lengths.split(",")])
         columns = (
             TextColumn("{task.description}"),
             BarColumn(),

@@ -16,16 +16,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_script(script: str, *args: str, tmp_path: Path, timeout_s: float = 240.0) -> str:
+def run_script(
+    script: str,
+    *args: str,
+    tmp_path: Path,
+    models: Path | None = None,
+    timeout_s: float = 240.0,
+) -> str:
     """Run ``benchmarks/<script>`` with ``args``; assert it exits 0; its stdout.
 
-    Named models are built (random weights, no download) into a cache under ``tmp_path``;
-    one OpenMP thread per process, as the stack tests run; rich draws its tables 200
-    columns wide so that a test can find a heading or a row label unabridged.
+    Named models are built (random weights, no download) into ``models`` (default: a
+    cache under ``tmp_path``); one OpenMP thread per process, as the stack tests run; rich
+    draws its tables 200 columns wide so that a test can find a heading or a row label
+    unabridged.
     """
     env = {
         **os.environ,
-        "FLOWPREFILL_MODEL_CACHE": str(tmp_path / "models"),
+        "FLOWPREFILL_MODEL_CACHE": str(models or tmp_path / "models"),
         "OMP_NUM_THREADS": "1",
         "COLUMNS": "200",
     }
