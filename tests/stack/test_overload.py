@@ -14,37 +14,29 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stack.overload import (
-    BATCH,
-    INTERACTIVE,
-    capacity_rps,
-    offer,
-    start_stack,
-)
+from benchmarks.stack.overload import BATCH, INTERACTIVE, offer, saturation_rps, start_stack
 
 pytestmark = pytest.mark.slow
 
-MAX_WAITING = 12
-"""The queue bound under test: small, so that 3x capacity reaches it."""
+MAX_WAITING = 32
+"""The queue bound under test: a few batches' worth (1,024-token prompts)."""
 SLO_S = {INTERACTIVE: 0.5, BATCH: 1.0}
-TOKENS = 128
+TOKENS = 1024
 
 
 def test_three_times_capacity_is_answered_bounded_and_counted(tmp_path: Path) -> None:
     profile = tmp_path / "overload-run" / "ttft-profile.json"  # up profiles once
     server = start_stack(tmp_path, max_waiting=MAX_WAITING, slo_s=SLO_S, profile=profile)
     try:
-        cap = asyncio.run(
-            capacity_rps(server.base_url, tokens=TOKENS, concurrency=4, duration_s=4.0)
-        )
+        cap = saturation_rps(server, tokens=TOKENS, slo_s=SLO_S, duration_s=5.0)
         r = asyncio.run(
-            offer(server, 3 * cap, duration_s=10.0, tokens=TOKENS, slo_s=SLO_S, timeout_s=60.0)
+            offer(server, 3 * cap, duration_s=8.0, tokens=TOKENS, slo_s=SLO_S, timeout_s=60.0)
         )
     finally:
         server.stop()
     info = f"capacity {cap:.1f} req/s; {dict(r.statuses)}; 503 {dict(r.reasons)}; {r}"
     # Every request answered, and only with what the contract allows.
-    assert r.unanswered == 0, info
+    assert r.unanswered == 0 and not r.failures, info
     assert set(r.reasons) <= {"too_late", "expired", "queue_full"}, info
     assert r.missing_retry_after == 0, info
     # Client counts equal the gateway's counters, status by status and reason by reason.
@@ -54,7 +46,8 @@ def test_three_times_capacity_is_answered_bounded_and_counted(tmp_path: Path) ->
     assert r.max_waiting_gateway <= MAX_WAITING, info
     assert r.max_queue_prefill <= MAX_WAITING, info
     # Overloaded for real, the sheddable class was shed, and the other kept being
-    # served: at least a quarter of capacity within its target (no collapse).
+    # served: at least a quarter of capacity within its target, as the gateway counts
+    # it (no collapse; the client's own timing adds its event loop's lag).
     assert r.count(429) + sum(r.reasons.values()) > 0, info
     assert r.count(429, BATCH) > 0 and r.count(429, INTERACTIVE) == 0, info
-    assert r.good[INTERACTIVE] / r.duration_s >= 0.25 * cap, info
+    assert r.met_rps(INTERACTIVE) >= 0.25 * cap, info
