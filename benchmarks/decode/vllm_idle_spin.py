@@ -90,7 +90,7 @@ def main() -> None:
         table.add_column(col, justify="right")
     with tempfile.TemporaryDirectory(prefix="idle-spin-") as tmp:
         run_dir = Path(tmp)
-        model = named_model_dir("demo-llama", cache_dir=run_dir / "models")
+        model = named_model_dir("demo-llama")  # the usual cache ($FLOWPREFILL_MODEL_CACHE)
         medians: dict[str, float] = {}
         for cap in args.caps.split(","):
             with console.status(f"cap {cap}: starting vLLM and decoding"):

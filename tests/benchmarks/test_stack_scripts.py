@@ -108,8 +108,8 @@ def test_second_token_gap(tmp_path: Path, demo_models: Path) -> None:
     assert "Gap between the first and second token" in printed
 
 
-def test_vllm_idle_spin(tmp_path: Path) -> None:
+def test_vllm_idle_spin(tmp_path: Path, demo_models: Path) -> None:
     argv = ["--caps", "0.005", "--tokens", "4", "--repeats", "1"]
-    printed = run_script("decode/vllm_idle_spin.py", *argv, tmp_path=tmp_path)
+    printed = run_script("decode/vllm_idle_spin.py", *argv, tmp_path=tmp_path, models=demo_models)
     assert "vLLM decode, 4-token completions, one at a time" in printed
     assert "0.005" in printed
