@@ -6,8 +6,8 @@ runs the prefill and must take the GIL at each checkpoint to see a preemption si
 round that ranks the whole queue therefore slows the prefill and delays the ACK of an
 urgent preemption. Per arm (queued requests × scheduler):
 
-1. a blocker prompt (twice the long one) runs while ``--queued`` relaxed requests are
-   queued behind it (they rank after everything below);
+1. a blocker holds the executor (waiting at checkpoints, so it can be preempted) while
+   ``--queued`` relaxed requests are queued behind it (they rank after everything below);
 2. the long prompt arrives and preempts the blocker; while it runs, relaxed arrivals
    stream in at ``--rate`` per second and ``--probes`` urgent short prompts arrive at
    spread moments, each preempting it;
@@ -30,9 +30,10 @@ import argparse
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -43,6 +44,7 @@ import flowprefill.prefill.engine as engine_module
 from flowprefill.lab.ranking import RankingScheduler
 from flowprefill.models import build_named
 from flowprefill.prefill.engine import PrefillEngine
+from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.scheduler.core import Scheduler
@@ -62,15 +64,42 @@ class Arm:
     arrivals: list[int] = field(default_factory=list)
 
 
+BLOCKER = [5] * 8
+"""The blocker's prompt: :class:`Holding` runs it only once the queue is filled."""
+
+
+class Holding:
+    """The executor, except that the blocker's task waits at checkpoints until ``filled``
+    (so the queued requests cannot start before the queue is full, however slowly the
+    machine submits them), then runs its short prompt."""
+
+    def __init__(self, ex: PreemptibleExecutor) -> None:
+        self.ex = ex
+        self.filled = threading.Event()
+        self.max_prompt_tokens = ex.max_prompt_tokens
+
+    def validate(self, prompts: Sequence[Sequence[int]]) -> Any:
+        return self.ex.validate(prompts)
+
+    def estimate_parked_bytes(self, num_tokens: int, num_requests: int = 1) -> int:
+        return self.ex.estimate_parked_bytes(num_tokens, num_requests)
+
+    def run(self, prompts: Sequence[Sequence[int]], control: TaskControl) -> Sequence[Any]:
+        if list(prompts[0]) == BLOCKER:
+            while not self.filled.wait(0.002):
+                control.check()
+        return self.ex.run(prompts, control)
+
+
 @contextmanager
 def engine_with(
-    cls: type[Scheduler], ex: PreemptibleExecutor, predictor: TTFTPredictor
+    cls: type[Scheduler], backend: Holding, predictor: TTFTPredictor
 ) -> Iterator[PrefillEngine]:
     """A started engine whose scheduler is ``cls`` (swapped in where the engine builds it)."""
     saved = engine_module.Scheduler
     engine_module.Scheduler = cls  # type: ignore[misc]
     try:
-        engine = PrefillEngine(ex, predictor, batching="none").start()
+        engine = PrefillEngine(backend, predictor, batching="none").start()
     finally:
         engine_module.Scheduler = saved  # type: ignore[misc]
     try:
@@ -96,17 +125,19 @@ def one_run(
     args: argparse.Namespace,
 ) -> None:
     short = [7] * 16
-    with engine_with(SCHEDULERS[arm.scheduler], ex, predictor) as engine:
-        blocker = engine.submit(long_prompt * 2, ttft_slo_s=2e5, request_id="blocker")
+    backend = Holding(ex)
+    with engine_with(SCHEDULERS[arm.scheduler], backend, predictor) as engine:
+        engine.submit(BLOCKER, ttft_slo_s=2e5, request_id="blocker")
         wait_until(lambda: engine.scheduler.running is not None, 30)
         for i in range(arm.queued):
             engine.submit(short, ttft_slo_s=RELAXED_SLO_S, request_id=f"q{i}")
-        wait_until(lambda: engine.snapshot.num_requests >= arm.queued + 1, 120)
-        if blocker.done():
-            raise RuntimeError("the blocker finished before the queue was filled: more --tokens")
+        wait_until(lambda: engine.snapshot.num_requests >= arm.queued + 1, 600)
         rounds_before = engine.scheduler.stats.num_rounds
         engine.blocking_times_s.clear()
         long_f = engine.submit(long_prompt, ttft_slo_s=1e5, request_id="long")
+        # The long prompt preempts the blocker (which stays parked until it is done).
+        wait_until(lambda: len(engine.blocking_times_s) >= 1, 60)
+        backend.filled.set()
         stop, streamed = threading.Event(), [0]
 
         def stream() -> None:
