@@ -301,10 +301,12 @@ def write_configs(
     model_dir: Path,
     ttft_slo_ms: int = 250,
     health_probe: HealthProbeSettings | None = None,
+    decode_ports: list[int] | None = None,
 ) -> None:
     """``tmp/gw.json`` (a gateway whose prefill and decode instance is the stub at
     ``stub_port``; ``health_probe``: its probing, None: the default) and ``tmp/slo.json``
-    (one class, chat, ``ttft_slo_ms``)."""
+    (one class, chat, ``ttft_slo_ms``). ``decode_ports``: the decode instances, when not
+    the stub at ``stub_port``."""
     table = SLOTable(
         default_class="chat",
         classes=[
@@ -326,7 +328,9 @@ def write_configs(
         model_name="tiny",
         tokenizer_path=str(model_dir),
         prefill=[ep],
-        decode=[ep],
+        decode=[Endpoint.at(f"d{i}", "127.0.0.1", p) for i, p in enumerate(decode_ports)]
+        if decode_ports
+        else [ep],
         **({"health_probe": health_probe} if health_probe is not None else {}),
     )
     (tmp / "gw.json").write_text(config.model_dump_json(exclude_defaults=True))

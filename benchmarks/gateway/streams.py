@@ -8,7 +8,11 @@ the gateway at once (client connection and decode connection each). Once the stu
 all N (or ``--open-timeout`` passed), the gateway's RSS and open descriptors are read, the
 stub releases the streams, and every answer is checked (200, no error event, ``[DONE]``).
 
-    python benchmarks/gateway/streams.py [--levels 100 1000 10000] [--ramp 200]
+    python benchmarks/gateway/streams.py [--levels 100 1000 10000] [--ramp 200] [--decode-stubs 1]
+
+``--decode-stubs K`` spreads the streams over K decode stub processes (one Python process
+accepting and holding thousands of streams on a small machine answers slowly, and the
+gateway's 5 s connect timeout to decode fails what it has not accepted in time).
 
 Memory per open stream = (gateway RSS with N open − its RSS before the first level) / N;
 levels run in increasing order, so memory the allocator kept from a smaller level is
@@ -81,7 +85,7 @@ class Level:
 
 
 async def run_level(
-    level: Level, gw: str, stub: str, gw_pid: int, ramp: int, open_timeout_s: float
+    level: Level, gw: str, stubs: list[str], gw_pid: int, ramp: int, open_timeout_s: float
 ) -> None:
     """Open ``level.n`` streams through ``gw``, measure with them held, release, check."""
     import aiohttp
@@ -95,7 +99,8 @@ async def run_level(
         aiohttp.ClientSession(connector=conn, timeout=timeout) as http,
         httpx.AsyncClient(timeout=30) as control,
     ):
-        await control.post(f"{stub}/stub/hold")
+        for stub in stubs:
+            await control.post(f"{stub}/stub/hold")
 
         async def one() -> None:
             lines: list[str] = []
@@ -111,11 +116,12 @@ async def run_level(
                 failures.add(e)
 
         async def held() -> int | None:
-            """Streams the stub holds; None when it did not answer (busy with thousands)."""
+            """Streams the stubs hold; None when one did not answer (busy with thousands)."""
             try:
-                return int((await control.get(f"{stub}/stub/open")).json()["open"])
+                answers = [await control.get(f"{stub}/stub/open") for stub in stubs]
             except httpx.HTTPError:
                 return None
+            return sum(int(a.json()["open"]) for a in answers)
 
         cpu0 = cpu_seconds(gw_pid)
         t0 = time.perf_counter()
@@ -135,7 +141,8 @@ async def run_level(
         t1 = time.perf_counter()
         for _ in range(10):
             try:
-                await control.post(f"{stub}/stub/release")
+                for stub in stubs:
+                    await control.post(f"{stub}/stub/release")
                 break
             except httpx.HTTPError:
                 await asyncio.sleep(0.5)
@@ -150,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--levels", type=int, nargs="+", default=[100, 1000, 10000])
     ap.add_argument("--ramp", type=int, default=200, help="streams opening at once")
+    ap.add_argument(
+        "--decode-stubs",
+        type=int,
+        default=1,
+        help="decode stub processes the streams are spread over (the first also prefills)",
+    )
     ap.add_argument("--open-timeout", type=float, default=600.0, help="seconds per level")
     args = ap.parse_args(argv)
 
@@ -157,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
 
     fd_limit = raise_fd_limit()  # inherited by the gateway and the stub
     tmp = Path(tempfile.mkdtemp())
-    stub_port, gw_port = free_port(), free_port()
-    stub, gw = f"http://127.0.0.1:{stub_port}", f"http://127.0.0.1:{gw_port}"
+    ports = [free_port() for _ in range(max(1, args.decode_stubs))]
+    stub_port, gw_port = ports[0], free_port()
+    stubs = [f"http://127.0.0.1:{p}" for p in ports]
+    gw = f"http://127.0.0.1:{gw_port}"
     # A TTFT target of minutes: opening thousands of streams at once queues them at the
     # gateway for seconds on a small machine, and admission would answer 503 (useful wait
     # over) to what this benchmark means to hold.
@@ -167,24 +182,26 @@ def main(argv: list[str] | None = None) -> int:
     # /health at thousands of streams; the default probes would declare it stalled and
     # abandon the streams this benchmark means to hold.
     probes = HealthProbeSettings(interval_s=5, timeout_s=60, failures=100)
-    write_configs(tmp, stub_port, named_model_dir("tiny-llama"), 600_000, probes)
+    write_configs(tmp, stub_port, named_model_dir("tiny-llama"), 600_000, probes, ports)
     ctx = mp.get_context("spawn")
-    stub_proc = ctx.Process(target=serve_stub, args=(stub_port, True), daemon=True)
-    stub_proc.start()
+    stub_procs = [ctx.Process(target=serve_stub, args=(p, True), daemon=True) for p in ports]
+    for proc in stub_procs:
+        proc.start()
     gw_proc = start_gateway(tmp / "gw.json", tmp / "slo.json", gw_port, None, tmp / "gw.log")
     levels = [Level(n) for n in sorted(args.levels)]
     try:
-        wait_ready(stub)
+        for stub in stubs:
+            wait_ready(stub)
         wait_ready(gw, gw_proc)
         # Warm the gateway (imports, pools, tokenizer) before its idle RSS is read.
         warm = Level(min(10, levels[0].n))
-        asyncio.run(run_level(warm, gw, stub, gw_proc.pid, args.ramp, args.open_timeout))
+        asyncio.run(run_level(warm, gw, stubs, gw_proc.pid, args.ramp, args.open_timeout))
         rss0 = rss_bytes(gw_proc.pid)
         for level in levels:
             if 2 * level.n + FDS_SPARE > fd_limit:
                 level.skipped = f"needs RLIMIT_NOFILE ≥ {2 * level.n + FDS_SPARE} (have {fd_limit})"
                 continue
-            asyncio.run(run_level(level, gw, stub, gw_proc.pid, args.ramp, args.open_timeout))
+            asyncio.run(run_level(level, gw, stubs, gw_proc.pid, args.ramp, args.open_timeout))
             assert level.failures is not None
             print(
                 f"{level.n} streams: {level.held} held at once after {level.open_s:.1f} s, "
@@ -194,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         gw_proc.terminate()
         gw_proc.wait()
-        stub_proc.terminate()
+        for proc in stub_procs:
+            proc.terminate()
 
     console = Console(width=max(Console().width, 150))
     t = Table(
-        title=f"open streams held by one gateway (stub upstreams hold each decode stream "
+        title=f"open streams held by one gateway ({len(stubs)} decode stub(s) hold each stream "
         f"after its first chunk; {os.cpu_count()} CPUs; RLIMIT_NOFILE {fd_limit}; idle gateway "
         f"RSS {rss0 / 2**20:.0f} MiB)"
     )
