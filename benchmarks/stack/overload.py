@@ -80,6 +80,8 @@ class Result:
     reasons: Counter[str] = field(default_factory=Counter)
     """503 reason (from the error body) -> answers."""
     missing_retry_after: int = 0
+    elapsed_s: float = 0.0
+    """First request sent to last answer received."""
     failures: Counter[str] = field(default_factory=Counter)
     """Exception name -> requests the client got no HTTP answer to."""
     gateway: dict[str, float] = field(default_factory=dict)
@@ -102,8 +104,9 @@ class Result:
         return self.client == {k: self.gateway.get(k, 0.0) for k in self.client}
 
     def met_rps(self, cls: str) -> float:
-        """Goodput of ``cls`` as the gateway counts it (met its target), per second."""
-        return self.gateway.get(f"met:{cls}", 0.0) / self.duration_s
+        """Goodput of ``cls`` as the gateway counts it (met its target), per second of
+        the load (first request sent to last answer)."""
+        return self.gateway.get(f"met:{cls}", 0.0) / self.elapsed_s
 
     @property
     def unanswered(self) -> int:
@@ -250,7 +253,7 @@ def saturation_rps(server: Server, *, tokens: int, slo_s: dict[str, float], dura
     )  # fmt: skip
     probe = asyncio.run(offer(server, 3 * guess, duration_s=duration_s, tokens=tokens,
                               slo_s=slo_s, seed=99))  # fmt: skip
-    return probe.count(200) / duration_s
+    return probe.count(200) / probe.elapsed_s
 
 
 async def offer(
@@ -277,6 +280,7 @@ async def offer(
             # What was offered: a client short of CPU sends fewer than asked.
             res.offered_rps = len(tasks) / max(duration_s, time.perf_counter() - start)
             await asyncio.gather(*tasks)
+            res.elapsed_s = time.perf_counter() - start
         time.sleep(2 * sampler.period_s)  # the last gauges
     after = gateway_counts(server.base_url)
     res.gateway = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -321,11 +325,22 @@ def table_rows(load: float, r: Result) -> list[str]:
         f"{load:g}x", f"{r.offered_rps:.1f}",
         f"{r.met_rps(INTERACTIVE):.1f} ({r.count(200, INTERACTIVE)})",
         f"{r.met_rps(BATCH):.1f} ({r.count(200, BATCH)})",
-        str(r.count(429)), " / ".join(str(r.reasons[x]) for x in REASONS), str(r.unanswered),
+        str(r.count(429)), " / ".join(str(r.reasons[x]) for x in REASONS),
+        f"{r.unanswered} {dict(r.failures) or ''}",
         f"{r.max_waiting_gateway:.0f} / {r.max_queue_prefill:.0f}",
         f"{r.rss_mib.get('gateway', 0):.0f} / {r.rss_mib.get('prefill', 0):.0f}",
         "yes" if r.counts_match and not r.missing_retry_after else f"NO {r.client} {r.gateway}",
     ]  # fmt: skip
+
+
+def _stop_on_sigterm() -> None:
+    """Turn SIGTERM (a ``timeout``) into an exception, so the stack is stopped too."""
+    import signal
+
+    def handler(signum: int, _: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def main() -> None:
@@ -338,6 +353,7 @@ def main() -> None:
     ap.add_argument("--slo-batch", type=float, default=1.0, help="TTFT target (s)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/flowprefill-overload"))
     args = ap.parse_args()
+    _stop_on_sigterm()
     from rich.console import Console
     from rich.table import Table
 
