@@ -7,9 +7,9 @@ with the queue; this is the reference it must agree with, command for command
 
 from __future__ import annotations
 
-from flowprefill.prefill.request import Request, RequestState, Task
-from flowprefill.prefill.scheduler.core import Command, CommandKind, Scheduler, SchedulerOutput
-from flowprefill.prefill.scheduler.policies import RankInput, SortKey
+from flowprefill.prefill.request import Request, Task
+from flowprefill.prefill.scheduler.core import Scheduler, SchedulerOutput
+from flowprefill.prefill.scheduler.policies import SortKey
 
 
 class RankingScheduler(Scheduler):
@@ -25,11 +25,7 @@ class RankingScheduler(Scheduler):
         _best_key, best = min(keyed, key=lambda kv: kv[0])
         if best is self.running:
             return out
-        if self.running is not None and not self.parked_memory.fits_switch(
-            self.running, None if isinstance(best, Request) else best
-        ):
-            out.declined_preemption = self.running
-            self.stats.num_preemptions_declined += 1
+        if self._declines(best, out):
             return out
         if isinstance(best, Request):
             candidates = sorted(
@@ -43,49 +39,14 @@ class RankingScheduler(Scheduler):
                 predict_s=self.predict_s,
                 token_budget=self.token_budget,
             )
-            target = Task(self._ranked_within(batch, keyed, now_s))
+            self._switch(Task(self._ranked_within(batch, keyed, now_s)), out, now_s, submit=True)
         else:
-            target = best
-        if self.running is not None:
-            victim = self.running
-            victim.transition(RequestState.PREEMPTED, now_s)
-            self.preempted[victim.task_id] = victim
-            self.parked_memory.park(victim)
-            out.commands.append(Command(CommandKind.PREEMPT, victim))
-            self.stats.num_preemptions += 1
-        if isinstance(best, Request):
-            for r in target.requests:
-                del self.waiting[r.request_id]
-                self._queue.remove(r.request_id)
-            out.commands.append(Command(CommandKind.SUBMIT, target))
-            self.stats.num_submits += 1
-        else:
-            del self.preempted[target.task_id]
-            self.parked_memory.unpark(target)
-            out.commands.append(Command(CommandKind.RESUME, target))
-            self.stats.num_resumes += 1
-        target.transition(RequestState.RUNNING, now_s)
-        self.running = target
-        self.stats.num_command_rounds += 1
+            self._switch(best, out, now_s, submit=False)
         return out
 
     def _ranked_within(
         self, batch: list[Request], keyed: list[tuple[SortKey, Request | Task]], now_s: float
     ) -> list[Request]:
         inside = {id(r) for r in batch}
-        outside = [k for k, x in keyed if id(x) not in inside]
-        best_outside = min(outside, default=None)
-        kept = list(batch)
-        while len(kept) > 1 and best_outside is not None:
-            leader = kept[0]
-            rank = RankInput(
-                leader.deadline_s,
-                leader.arrival_s,
-                self.predict_s(sum(r.num_tokens for r in kept)),
-                leader.seq,
-            )
-            if self.policy.sort_key(rank, now_s) <= best_outside:
-                break
-            dropped = kept.pop()
-            best_outside = min(best_outside, self.sort_key(dropped, now_s))
-        return kept
+        best_outside = min((k for k, x in keyed if id(x) not in inside), default=None)
+        return self._trimmed(batch, best_outside, now_s)

@@ -23,6 +23,7 @@ from flowprefill_operator.diff import with_last_applied
 
 from tests.operator.cluster import FAST, Cluster, create, pool, running_cluster
 from tests.operator.harness import OperatorProcess, wait_for
+from tests.operator.test_operator_status_honesty import pods_ready as settle
 
 OLD, NEW = "reg/prefill:0.1.0", "reg/prefill:0.2.0"
 POOLS = [("wave-a", "p1"), ("wave-a", "p2"), ("wave-b", "p3")]
@@ -62,20 +63,6 @@ def test_a_deployment_rolls_until_every_replica_runs_the_new_template() -> None:
 
 
 # ---- against the emulator: an upgrade of the operator's default image ------------------
-
-
-def settle(c: Cluster, ns: str, name: str) -> None:
-    """Play the Deployment controller: every replica of the current template available."""
-    dep = c.get("Deployment", ns, name)
-    n = dep["spec"].get("replicas", 1)
-    status = {
-        "observedGeneration": dep["metadata"]["generation"],
-        "replicas": n,
-        "readyReplicas": n,
-        "updatedReplicas": n,
-        "availableReplicas": n,
-    }
-    c.kube.patch("Deployment", ns, name, {"status": status}, sub="status")
 
 
 def image(c: Cluster, ns: str, name: str) -> str:

@@ -215,14 +215,8 @@ class Scheduler:
         if best is self.running:
             return out
 
-        if self.running is not None and not self.parked_memory.fits_switch(
-            self.running, None if isinstance(best, Request) else best
-        ):
-            # Decided before a batch is formed: declining leaves every queue as it was.
-            out.declined_preemption = self.running
-            self.stats.num_preemptions_declined += 1
+        if self._declines(best, out):
             return out
-
         if isinstance(best, Request):
             batch = self.batching.form_batch(
                 best,
@@ -233,10 +227,26 @@ class Scheduler:
                 predict_s=self.predict_s,
                 token_budget=self.token_budget,
             )
-            target = Task(self._within_rank(batch, now_s))
+            self._switch(Task(self._within_rank(batch, now_s)), out, now_s, submit=True)
         else:
-            target = best
+            self._switch(best, out, now_s, submit=False)
+        return out
 
+    def _declines(self, best: Request | Task, out: SchedulerOutput) -> bool:
+        """Whether the parked-memory budget keeps the running task running although
+        ``best`` outranks it (said in ``out``). Decided before a batch is formed:
+        declining leaves every queue as it was."""
+        if self.running is None or self.parked_memory.fits_switch(
+            self.running, None if isinstance(best, Request) else best
+        ):
+            return False
+        out.declined_preemption = self.running
+        self.stats.num_preemptions_declined += 1
+        return True
+
+    def _switch(self, target: Task, out: SchedulerOutput, now_s: float, *, submit: bool) -> None:
+        """Preempt the running task (if any) and run ``target``: a new task of waiting
+        requests (``submit``) or a parked one; the commands go to ``out`` in that order."""
         if self.running is not None:
             victim = self.running
             victim.transition(RequestState.PREEMPTED, now_s)
@@ -244,8 +254,7 @@ class Scheduler:
             self.parked_memory.park(victim)
             out.commands.append(Command(CommandKind.PREEMPT, victim))
             self.stats.num_preemptions += 1
-
-        if isinstance(best, Request):
+        if submit:
             for r in target.requests:
                 del self.waiting[r.request_id]
                 self._queue.remove(r.request_id)
@@ -259,7 +268,6 @@ class Scheduler:
         target.transition(RequestState.RUNNING, now_s)
         self.running = target
         self.stats.num_command_rounds += 1
-        return out
 
     def _best_outside(self, batch: list[Request], now_s: float) -> SortKey | None:
         """The smallest key of a runnable entry that is not in ``batch``: a task's, or the
@@ -282,7 +290,13 @@ class Scheduler:
         entry, so this keeps at least the leader."""
         if len(batch) == 1:
             return batch
-        best_outside = self._best_outside(batch, now_s)
+        return self._trimmed(batch, self._best_outside(batch, now_s), now_s)
+
+    def _trimmed(
+        self, batch: list[Request], best_outside: SortKey | None, now_s: float
+    ) -> list[Request]:
+        """``batch`` without the trailing members that make it rank below
+        ``best_outside`` (the smallest key left outside it), the leader always kept."""
         kept = list(batch)
         while len(kept) > 1 and best_outside is not None:
             leader = kept[0]
