@@ -310,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             wait_all([server])
             longest = min(MAX_PROMPT_TOKENS, max(r.num_tokens for r in requests))
             lengths = sorted({min(n, longest) for n in (64, 512, 2048, 6000)})
-            warm_up(server, model, lengths, args.max_tokens)
+            loosest = max(slo_s, key=lambda c: slo_s[c])  # the tightest may be refused 503
+            warm_up(server, model, lengths, loosest, args.max_tokens)
         assert server.proc is not None
         sampler = TreeSampler(server.proc.pid, stack_probes(server))
         before = scrape_page(server)
