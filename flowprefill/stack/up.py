@@ -176,6 +176,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the gateway answers 503 beyond this many requests waiting for their first "
         "token (gateway.json overload.max_waiting; docs/gateway.md, Overload)",
     )
+    p.add_argument(
+        "--useful-wait-floor",
+        type=float,
+        default=OverloadSettings().useful_wait_floor_s,
+        help="seconds past its deadline a non-sheddable request may still wait for its "
+        "first token, at least, before the gateway answers 503 (gateway.json "
+        "overload.useful_wait_floor_s; docs/gateway.md, Overload)",
+    )
     p.add_argument("--profile", help="TTFT profile JSON (profiled once at start when absent)")
     p.add_argument(
         "--slo-table",
@@ -340,7 +348,9 @@ def plan_stack(
         decode=decode_eps,
         prefill_routing=args.routing,
         predictor_path=str(profile),
-        overload=OverloadSettings(max_waiting=args.max_waiting),
+        overload=OverloadSettings(
+            max_waiting=args.max_waiting, useful_wait_floor_s=args.useful_wait_floor
+        ),
     )
     files["gateway.json"] = gateway_cfg.model_dump_json(indent=2)
     gateway = gateway_process(
