@@ -89,12 +89,16 @@ def upgrading(tmp_path: Path, repo_root: Path) -> Iterator[Cluster]:
             wait_for(partial(c.kube.get, "Deployment", ns, name), what=name)
             settle(c, ns, name)
         c.operator.stop()
-        c.operator = OperatorProcess(
+        upgraded = OperatorProcess(
             tmp_path / "kubeconfig",
             tmp_path / "operator-2.log",
             {**FAST, "FLOWPREFILL_OPERATOR_PREFILL_IMAGE": NEW},
-        ).start()
-        yield c
+        )
+        c.operator = upgraded.start()
+        try:
+            yield c
+        finally:
+            upgraded.stop()  # running_cluster stops only the operator it started
 
 
 def test_an_operator_upgrade_rolls_one_pool_at_a_time(upgrading: Cluster) -> None:
