@@ -70,6 +70,7 @@ class OverloadReason(StrEnum):
 
 # Prefill instance (flowprefill serve-prefill).
 PREFILL_REQUESTS: Final = "flowprefill_prefill_requests"
+PREFILL_QUEUE_DEPTH: Final = "flowprefill_prefill_queue_depth"
 PREFILL_TTFT: Final = "flowprefill_prefill_ttft_seconds"
 PREFILL_PARKED_BYTES: Final = "flowprefill_prefill_parked_bytes"
 """Gauge: bytes held by preempted (parked) tasks, as measured once each parked."""

@@ -20,6 +20,7 @@ from flowprefill.contracts.metrics import (
     PREFILL_PARKED_BUDGET_BYTES,
     PREFILL_PARKED_BYTES,
     PREFILL_PREEMPTIONS_DECLINED,
+    PREFILL_QUEUE_DEPTH,
     PREFILL_REQUESTS,
     PREFILL_TTFT,
     SLO_CLASS_LABEL,
@@ -50,7 +51,7 @@ class EngineMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.queue_depth = Gauge(
-            "flowprefill_prefill_queue_depth",
+            PREFILL_QUEUE_DEPTH,
             "Requests in the prefill instance that have no first token yet.",
             registry=r,
         )

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import httpx
 
+from flowprefill.contracts.metrics import PREFILL_QUEUE_DEPTH
 from flowprefill.models import named_model_dir
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from tests.helpers import free_port, wait_ready
 
-QUEUE_DEPTH = "flowprefill_prefill_queue_depth "
+QUEUE_DEPTH = PREFILL_QUEUE_DEPTH + " "
 
 
 def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
