@@ -6,12 +6,14 @@ skipped with a note; every section prints its elapsed time), one module each und
 
 1. ``checks`` — CUDA-only correctness on the real model: each task on a stream of its own,
    the stream idle at every checkpoint (``every_check``), a parked task leaves no queued
-   kernels (also with ``on_preempt``, where work *is* queued when it parks), resumed
+   kernels (also with ``run_ahead`` and ``on_preempt``, where work *is* queued when it
+   parks), resumed
    prefills bit-identical; plus pytest of tests/prefill/executor/test_device.py. On CPU the stream
    checks are reported as skipped.
 2. ``prefill`` — prefill time (GPU: 512 / 2K / 8K / 32K tokens) of a plain forward and of
    the executor at each granularity (none, layer, operator, operator with run-time splitting
-   when this build has it, operator with ``sync="on_preempt"`` on CUDA): checkpoint
+   when this build has it, operator with ``sync="run_ahead"`` (1 and 2 operators) and
+   ``sync="on_preempt"`` on CUDA; ``--arms`` picks a subset): checkpoint
    overhead %, TFLOP/s, MFU against the GPU's dense bf16 peak.
 3. ``blocking`` — signal → ACK time at random moments of a long prefill, by granularity.
 4. ``operators`` — per-operator times over a token sweep (CUDA events / perf_counter) as the
@@ -24,7 +26,7 @@ skipped with a note; every section prints its elapsed time), one module each und
 
 Writes ``results.json`` (rewritten after every section) and the calibration CSV to
 ``--out``. Exit status 1 when a check failed or a section raised, 2 when it could not
-start. docs/gpu.md: how to run it on a GPU machine (it has not been run on one yet).
+start. docs/gpu.md: how to run it on a GPU machine, and what it measured on an H100.
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--sizes", type=int, nargs="+", help="prefill token counts")
     add("--repeats", type=int, help="timed rounds per prefill size")
     add("--budget-s", type=float, help="the whole run, seconds (default 500 on cuda)")
+    add(
+        "--arms",
+        nargs="+",
+        choices=tuple(ARM_KWARGS),
+        help="executor arms to time (default: all this device supports)",
+    )
     add("--max-blocking-ms", type=float, default=4.0, help="bound of the operator+split arm")
     add("--peak-tflops", type=float, help="override the peak used for MFU")
     add("--no-pytest", action="store_true", help="do not run the device tests")
@@ -192,8 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     arms = [arm for arm in ARM_KWARGS if not (arm == "operator+split" and split_reason)]
     arm_notes = [f"operator+split left out: {split_reason}"] if split_reason else []
     if device_type == "cpu":
-        arms.remove("operator/on_preempt")
-        arm_notes.append("operator/on_preempt left out: the same as operator on CPU (no streams)")
+        for arm in ("operator/run_ahead", "operator/run_ahead2", "operator/on_preempt"):
+            arms.remove(arm)
+            arm_notes.append(f"{arm} left out: the same as operator on CPU (no streams)")
+    if args.arms:
+        arm_notes += [f"{arm} left out: not in --arms" for arm in arms if arm not in args.arms]
+        arms = [arm for arm in arms if arm in args.arms]
     command = sys.argv[1:] if argv is None else list(argv)
     results: dict[str, Any] = {
         "command": ["python", "benchmarks/gpu_validate.py", *command],

@@ -101,7 +101,8 @@ def section_checks(ctx: Context, rec: dict[str, Any], deadline: float) -> None:
     if ctx.cuda:
         attention_kernel(ctx, checks)
     park_at = every_check(ctx, checks, prompt)
-    on_preempt(ctx, checks, prompt, park_at)
+    for mode in ("run_ahead", "on_preempt"):
+        drained_at_park(ctx, checks, prompt, park_at, mode)
     if ctx.cuda:
         nixl_page_checks(ctx.device, ctx.dtype, checks.add)
     else:
@@ -217,19 +218,22 @@ def every_check(ctx: Context, checks: Checks, prompt: torch.Tensor) -> int:
     return park_at
 
 
-def on_preempt(ctx: Context, checks: Checks, prompt: torch.Tensor, park_at: int) -> None:
-    """``sync="on_preempt"``: no sync at checkpoints, so the host runs ahead and work is
-    still queued when the task parks; the drain before the ACK must empty the stream."""
+def drained_at_park(
+    ctx: Context, checks: Checks, prompt: torch.Tensor, park_at: int, mode: str
+) -> None:
+    """``sync`` modes that let the host run ahead (``on_preempt``: as far as it likes;
+    ``run_ahead``: one operator): work can still be queued when the task parks, and the
+    drain before the ACK must empty the stream."""
     names = (
-        "on_preempt: work was still queued when the task reached its park",
-        "on_preempt: a parked task leaves no queued kernels (drained before the ACK)",
-        "on_preempt: preempted + resumed prefill is bit-identical",
+        f"{mode}: work was still queued when the task reached its park",
+        f"{mode}: a parked task leaves no queued kernels (drained before the ACK)",
+        f"{mode}: preempted + resumed prefill is bit-identical",
     )
     if not ctx.cuda:
         for name in names:
             checks.add(name, None, cuda_only=True)
         return
-    with executor_for(ctx, "operator/on_preempt") as ex:
+    with executor_for(ctx, f"operator/{mode}") as ex:
         ref = ex.run([prompt], TaskControl("reference"))[0]
         probe = Probe("C", cuda=True, park_at=park_at)
         task = TaskThread(ex, [prompt], probe).start()

@@ -70,6 +70,8 @@ ARM_KWARGS: dict[str, dict[str, Any]] = {
     "layer": {"granularity": "layer"},
     "operator": {"granularity": "operator"},
     "operator+split": {"granularity": "operator", "max_blocking_ms": None},  # from --max-...
+    "operator/run_ahead": {"granularity": "operator", "sync": "run_ahead", "run_ahead": 1},
+    "operator/run_ahead2": {"granularity": "operator", "sync": "run_ahead", "run_ahead": 2},
     "operator/on_preempt": {"granularity": "operator", "sync": "on_preempt"},
 }
 """Executor arms: PreemptibleExecutor keyword arguments (all others at their defaults)."""

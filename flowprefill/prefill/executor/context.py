@@ -37,8 +37,9 @@ class ThreadContext(threading.local):
     control: TaskControl | None = None
     """The task that checkpoints count and park (:mod:`.preemption`)."""
     check_sync: Callable[[], None] | None = None
-    """Drains the task's stream before each checkpoint (``every_check`` on an asynchronous
-    device: :func:`~flowprefill.prefill.executor.device.synchronizing_checkpoint`)."""
+    """Waits for the task's device work before each checkpoint (``every_check`` and
+    ``run_ahead`` on an asynchronous device:
+    :func:`~flowprefill.prefill.executor.device.per_check_sync`)."""
     segments: Sequence[Segment] | None = None
     """Which query rows attend to which keys in this forward's packed row
     (:func:`~flowprefill.prefill.executor.attention.packed_attention`)."""

@@ -19,6 +19,17 @@ through many operators queued earlier. Two consequences (paper §5.1):
     host–device round trip per operator (~10–50 µs on current GPUs) and no host/device
     overlap across a boundary, so kernel-launch latency is exposed once per operator.
 
+``run_ahead``
+    Let the host run ``run_ahead`` operators (default 1) ahead of the device: each
+    checkpoint records an event on the task's stream and waits for the event recorded
+    ``run_ahead`` checkpoints earlier. The host queues the next operator while the device
+    still runs the previous one, so launch latency overlaps device work instead of adding
+    to it; when parking, the stream is drained (as in every mode) before the ACK, so the
+    ACK arrives within ``run_ahead + 1`` operators of the signal and no kernel is left
+    queued. ``TaskControl.progress`` counts checkpoints the host passed; the device has
+    finished all but the last ``run_ahead`` operators. Measured on an H100 (docs/gpu.md):
+    the per-check round trips of ``every_check`` cost up to half a 512-token prefill.
+
 ``on_preempt``
     Synchronise only when parking (via ``TaskControl.device_sync``, before the ACK). The
     hot path stays free of syncs and the host can queue far ahead, but at a signal the
@@ -28,11 +39,13 @@ through many operators queued earlier. Two consequences (paper §5.1):
 
 :class:`DeviceStreams` is what the executor needs of a device type: :class:`CpuStreams` (no
 streams, nothing to wait for) or :class:`CudaStreams`. The CUDA path is tested on CPU
-through a fake (tests/prefill/executor/test_device.py); it has not been run on a GPU.
+through a fake (tests/prefill/executor/test_device.py) and on an H100 by
+``benchmarks/gpu_validate.py`` (docs/gpu.md).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal, Protocol
@@ -42,8 +55,8 @@ import torch
 from flowprefill.errors import UnknownNameError
 from flowprefill.prefill.executor.context import checkpoint, thread_context
 
-SyncMode = Literal["every_check", "on_preempt"]
-SYNC_MODES: tuple[str, ...] = ("every_check", "on_preempt")
+SyncMode = Literal["every_check", "run_ahead", "on_preempt"]
+SYNC_MODES: tuple[str, ...] = ("every_check", "run_ahead", "on_preempt")
 
 
 def check_sync_mode(mode: str) -> SyncMode:
@@ -70,6 +83,12 @@ class DeviceStreams(Protocol):
     def synchronize(self, stream: object | None) -> None:
         """Block the calling thread until ``stream`` has finished all queued work."""
 
+    def record(self, stream: object | None) -> object:
+        """A marker of the work queued on ``stream`` so far (a CUDA event)."""
+
+    def wait(self, marker: object) -> None:
+        """Block the calling thread until the work before ``marker`` has finished."""
+
 
 class CpuStreams:
     """CPU ops are synchronous: no streams, nothing to wait for."""
@@ -86,6 +105,12 @@ class CpuStreams:
         return nullcontext()
 
     def synchronize(self, stream: object | None) -> None:
+        pass
+
+    def record(self, stream: object | None) -> object:
+        return None
+
+    def wait(self, marker: object) -> None:
         pass
 
 
@@ -118,6 +143,19 @@ class CudaStreams:
             assert isinstance(stream, torch.cuda.Stream)
             stream.synchronize()
 
+    def record(self, stream: object | None) -> object:
+        event = torch.cuda.Event()
+        if stream is None:
+            event.record()
+        else:
+            assert isinstance(stream, torch.cuda.Stream)
+            event.record(stream)
+        return event
+
+    def wait(self, marker: object) -> None:
+        assert isinstance(marker, torch.cuda.Event)
+        marker.synchronize()
+
 
 def streams_for(device: torch.device) -> DeviceStreams:
     """The streams of ``device``'s type (CPU or CUDA)."""
@@ -128,11 +166,38 @@ def streams_for(device: torch.device) -> DeviceStreams:
     raise ValueError(f"unsupported device type {device.type!r}; expected 'cpu' or 'cuda'")
 
 
+def check_run_ahead(run_ahead: int) -> int:
+    if isinstance(run_ahead, bool) or not isinstance(run_ahead, int) or run_ahead < 1:
+        raise ValueError(f"run_ahead must be a positive number of operators, got {run_ahead!r}")
+    return run_ahead
+
+
+def per_check_sync(
+    streams: DeviceStreams, stream: object | None, mode: SyncMode, run_ahead: int = 1
+) -> Callable[[], None] | None:
+    """What one task's checkpoints wait for before counting, on its own ``stream``: the
+    whole stream (``every_check``), the work queued ``run_ahead`` checkpoints ago
+    (``run_ahead``), or nothing (``on_preempt``, or a synchronous device)."""
+    if not streams.asynchronous or mode == "on_preempt":
+        return None
+    if mode == "every_check":
+        return lambda: streams.synchronize(stream)
+    queued: deque[object] = deque()
+
+    def wait_for_older() -> None:
+        queued.append(streams.record(stream))
+        if len(queued) > run_ahead:
+            streams.wait(queued.popleft())
+
+    return wait_for_older
+
+
 def synchronizing_checkpoint() -> None:
-    """A checkpoint that first drains the current task's stream (``every_check`` mode).
+    """A checkpoint that first waits for the current task's device work
+    (:func:`per_check_sync`: ``every_check`` and ``run_ahead`` modes).
 
     Installed as the hook body instead of :func:`checkpoint` when the device is
-    asynchronous and the mode is ``every_check``; threads with no task stream skip the sync.
+    asynchronous and the mode syncs at checkpoints; threads with no task stream skip it.
     """
     sync = thread_context.check_sync
     if sync is not None:
@@ -142,6 +207,6 @@ def synchronizing_checkpoint() -> None:
 
 def boundary_fn(streams: DeviceStreams, mode: SyncMode) -> Callable[[], None]:
     """What a checkpoint hook calls for these streams and mode."""
-    if streams.asynchronous and mode == "every_check":
+    if streams.asynchronous and mode != "on_preempt":
         return synchronizing_checkpoint
     return checkpoint

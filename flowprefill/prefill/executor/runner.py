@@ -37,7 +37,9 @@ from flowprefill.prefill.executor.device import (
     DeviceStreams,
     SyncMode,
     boundary_fn,
+    check_run_ahead,
     check_sync_mode,
+    per_check_sync,
     streams_for,
 )
 from flowprefill.prefill.executor.kernels import (
@@ -100,6 +102,7 @@ class PreemptibleExecutor:
         chunk_size: int | None = None,
         device: str | torch.device | None = None,
         sync: str = "every_check",
+        run_ahead: int = 1,
         streams: DeviceStreams | None = None,
         kernels: str | Kernels | None = None,
         kv_gather: KVGather | None = None,
@@ -113,9 +116,11 @@ class PreemptibleExecutor:
         ``chunk_size``: tokens per forward pass (None: the whole batch in one); the boundary
         between two chunks is a checkpoint.
 
-        ``sync`` (``every_check`` | ``on_preempt``) only matters on CUDA; see
-        :mod:`flowprefill.prefill.executor.device` for the trade-off. ``streams`` overrides
-        the streams chosen from ``device`` (tests use a fake one).
+        ``sync`` (``every_check`` | ``run_ahead`` | ``on_preempt``) only matters on CUDA;
+        ``run_ahead``: how many operators the host may queue ahead of the device in the
+        ``run_ahead`` mode. See :mod:`flowprefill.prefill.executor.device` for the
+        trade-off. ``streams`` overrides the streams chosen from ``device`` (tests use a
+        fake one).
 
         ``kernels``: ``"fast"`` (the default, also for None) runs the decoder's float32 CPU
         linears through oneDNN on prepacked weights (see
@@ -150,6 +155,7 @@ class PreemptibleExecutor:
         self.granularity = check_granularity(granularity)
         self.kernels = resolve_kernels(kernels)
         self.sync_mode: SyncMode = check_sync_mode(sync)
+        self.run_ahead = check_run_ahead(run_ahead)
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
         self.chunk_size = chunk_size
@@ -323,7 +329,7 @@ class PreemptibleExecutor:
                 self.streams.synchronize(stream)
 
             control.device_sync = drain
-            check_sync = drain if self.sync_mode == "every_check" else None
+            check_sync = per_check_sync(self.streams, stream, self.sync_mode, self.run_ahead)
         if control is not None:
             control.held_bytes = measure_current_thread(self._weights)
         with thread_context.task(control, check_sync), self.streams.stream_context(stream):

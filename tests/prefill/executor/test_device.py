@@ -20,6 +20,7 @@ from flowprefill.prefill.executor.device import (
     CpuStreams,
     CudaStreams,
     boundary_fn,
+    check_run_ahead,
     check_sync_mode,
     streams_for,
     synchronizing_checkpoint,
@@ -37,7 +38,9 @@ class FakeStream:
 
 
 class FakeAsyncStreams:
-    """Records stream events: ("new", i), ("enter", i), ("exit", i), ("sync", i, n)."""
+    """Records stream events: ("new", i), ("enter", i), ("exit", i), ("sync", i, n),
+    ("record", i, n) and ("wait", i, m, n): n checkpoints passed when the call happened, m
+    when the awaited marker was recorded."""
 
     asynchronous = True
 
@@ -78,6 +81,26 @@ class FakeAsyncStreams:
         passed = control.num_checkpoints if control is not None else -1
         self.events.append(("sync", stream.index, passed))
 
+    def _passed(self, stream: FakeStream) -> int:
+        control = self.controls.get(stream.index)
+        return control.num_checkpoints if control is not None else -1
+
+    def record(self, stream: object | None) -> object:
+        assert isinstance(stream, FakeStream)
+        marker = (stream.index, self._passed(stream))
+        self.events.append(("record", *marker))
+        return marker
+
+    def wait(self, marker: object) -> None:
+        assert isinstance(marker, tuple)
+        index, recorded_at = marker
+        now = self._passed(FakeStream(index))
+        self.events.append(("wait", index, recorded_at, now))
+
+    def waits(self, stream_index: int) -> list[tuple[int, int]]:
+        """(recorded at, waited at) of each marker waited for on the stream."""
+        return [(e[2], e[3]) for e in self.events if e[0] == "wait" and e[1] == stream_index]  # type: ignore[misc]
+
     def syncs(self, stream_index: int) -> list[int]:
         return [e[2] for e in self.events if e[0] == "sync" and e[1] == stream_index]  # type: ignore[misc]
 
@@ -91,10 +114,15 @@ def test_streams_selection_and_modes() -> None:
         streams_for(torch.device("meta"))
     with pytest.raises(UnknownNameError):
         check_sync_mode("never")
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="run_ahead must be a positive"):
+            check_run_ahead(bad)  # type: ignore[arg-type]
     # What the hooks call: a per-check sync only for async devices in every_check mode.
     assert boundary_fn(CpuStreams(), "every_check") is checkpoint
     assert boundary_fn(cuda, "on_preempt") is checkpoint
     assert boundary_fn(cuda, "every_check") is synchronizing_checkpoint
+    assert boundary_fn(cuda, "run_ahead") is synchronizing_checkpoint
+    assert boundary_fn(CpuStreams(), "run_ahead") is checkpoint
 
 
 def test_cpu_run_sets_no_device_sync(
@@ -144,6 +172,33 @@ def test_on_preempt_syncs_only_when_parking_and_before_the_ack(
     control.resume()
     assert_bit_identical(task.join(), solo)
     assert streams.syncs(1) == [3, 7, executor.expected_checkpoints([12])]
+
+
+@pytest.mark.parametrize("run_ahead", [1, 3])
+def test_run_ahead_waits_for_the_operator_queued_that_many_checkpoints_before(
+    tiny_models: dict[str, PreTrainedModel], make_executor: MakeExecutor, run_ahead: int
+) -> None:
+    streams = FakeAsyncStreams()
+    executor = make_executor(
+        tiny_models["llama"], sync="run_ahead", run_ahead=run_ahead, streams=streams
+    )
+    prompts = random_prompts([12], executor.vocab_size, seed=26)
+    solo = executor.prefill(prompts)
+    expected = executor.expected_checkpoints([12])
+    control = StopAt("A", at=[5])
+    streams.controls[1] = control
+    task = TaskThread(executor, prompts, control).start()
+    control.preempt_at(5)
+    # With k checkpoints passed, the next one waits for the marker recorded when
+    # k - run_ahead had passed: the host never runs more than run_ahead operators ahead.
+    # The 5th checkpoint parks, so the last wait before the park was with 4 passed.
+    assert streams.waits(1) == [(k - run_ahead, k) for k in range(run_ahead, 5)]
+    # Parking drains the whole stream before the ACK: nothing stays queued.
+    assert streams.syncs(1) == [5]
+    control.resume()
+    assert_bit_identical(task.join(), solo)
+    assert streams.waits(1) == [(k - run_ahead, k) for k in range(run_ahead, expected)]
+    assert streams.syncs(1) == [5, expected]
 
 
 def test_per_check_sync_is_per_thread(
