@@ -23,17 +23,23 @@ alike; the engine is dropped without draining after each repeat.
 
     python benchmarks/prefill/queued_blocking.py                    # 0 / 1,000 / 10,000 queued
     python benchmarks/prefill/queued_blocking.py --queued 0,100 --repeats 1 --tokens 1024
+    python benchmarks/prefill/queued_blocking.py --device cuda --model llama3-8b --tokens 16384
+
+On CUDA the model is ``benchmarks/gpuval``'s Llama-3-8B shape (random bf16 weights built on
+the GPU, ``--layers`` to shorten it); docs/gpu.md has its figures on an H100.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -149,20 +155,35 @@ def one_run(
 
         streamer = threading.Thread(target=stream, daemon=True)
         streamer.start()
-        probes = []
         for k in range(args.probes):
             time.sleep(long_s / (args.probes + 1))
-            probes.append(engine.submit(short, ttft_slo_s=0.05 * (k + 1), request_id=f"u{k}"))
+            slo_s = args.probe_slo_s * (k + 1)
+            engine.submit(short, ttft_slo_s=slo_s, request_id=f"u{k}")
         long = long_f.result(timeout=120 + 20 * long_s)
         stop.set()
         streamer.join()
-        for p in probes:
-            p.result(timeout=60)
+        # The probes' preemptions are what is measured, not their answers: the engine is
+        # dropped undrained (on a GPU a probe that missed its target waits behind thousands
+        # of queued requests).
         # The first preemption is the blocker's (by the long prompt): not a probe's.
         arm.blocking_ms += [b * 1e3 for b in list(engine.blocking_times_s)[1:]]
         arm.long_ttft_ms.append(long.ttft_s * 1e3)
         arm.rounds.append(engine.scheduler.stats.num_rounds - rounds_before)
         arm.arrivals.append(streamed[0])
+
+
+def build(args: argparse.Namespace) -> Any:
+    """The model to prefill: a named tiny one on CPU, or gpuval's shape on the GPU."""
+    if args.device == "cpu":
+        return build_named(args.model, seed=1)
+    # The GPU shapes live with the GPU validation (benchmarks/gpuval), one package up.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.gpuval.common import SHAPES, build_model
+
+    if args.model not in SHAPES:
+        raise SystemExit(f"--model {args.model!r} on cuda: expected one of {sorted(SHAPES)}")
+    device = torch.device("cuda", torch.cuda.current_device())
+    return build_model(args.model, args.layers, device, torch.bfloat16, seed=1)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -172,25 +193,34 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--model", default="tiny-llama", help="cuda: llama3-8b (gpuval's shapes)")
+    ap.add_argument("--layers", type=int, help="cuda: decoder layers (default: the model's)")
+    ap.add_argument("--sync", default="every_check", help="the executor's device sync mode")
     ap.add_argument("--tokens", type=int, default=4096, help="the long prompt's length")
     ap.add_argument("--queued", default="0,1000,10000", help="waiting requests per arm")
     ap.add_argument("--schedulers", default="indexed,ranking")
     ap.add_argument("--rate", type=float, default=200.0, help="streaming arrivals per second")
     ap.add_argument("--probes", type=int, default=4, help="urgent preemptions per long prompt")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--probe-slo-s",
+        type=float,
+        default=0.05,
+        help="the k-th urgent probe's TTFT target is k times this (tight: each preempts)",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = build_named(args.model, seed=1)
+    model = build(args)
     long_prompt = torch.randint(0, 2000, (args.tokens,)).tolist()
     arms = [
         Arm(int(q), name) for q in args.queued.split(",") for name in args.schedulers.split(",")
     ]
     console = Console()
-    with PreemptibleExecutor(model, granularity="operator") as ex:
-        ex.prefill([long_prompt])  # warm-up
+    with PreemptibleExecutor(model, granularity="operator", sync=args.sync) as ex:
+        ex.run([long_prompt], TaskControl("warm-up"))
         t0 = time.perf_counter()
-        ex.prefill([long_prompt])
+        ex.run([long_prompt], TaskControl("alone"))
         long_s = time.perf_counter() - t0
         predictor = TTFTPredictor.linear(per_token_s=long_s / args.tokens)
         with Progress(console=console, transient=True) as progress:
@@ -200,8 +230,15 @@ def main() -> None:
                     progress.update(job, description=f"{arm.queued} queued, {arm.scheduler}")
                     one_run(arm, ex, predictor, long_prompt, long_s, args)
                     progress.advance(job)
+                    # A line per run, so a run cut short still shows what it measured.
+                    progress.console.print(
+                        f"repeat {repeat + 1}, {arm.queued:,} queued, {arm.scheduler}: blocking "
+                        f"{' '.join(f'{b:.2f}' for b in arm.blocking_ms[-args.probes :])} ms, "
+                        f"long TTFT {arm.long_ttft_ms[-1]:.0f} ms"
+                    )
     table = Table(
-        title=f"{args.tokens}-token prefill ({args.model}, alone {long_s * 1e3:.0f} ms) with "
+        title=f"{args.tokens}-token prefill ({args.model}, {args.device}, sync {args.sync}, "
+        f"alone {long_s * 1e3:.0f} ms) with "
         f"{args.rate:g} arrivals/s streaming and {args.probes} urgent preemptions, "
         f"{args.repeats} repeats"
     )
