@@ -298,8 +298,8 @@ def test_engine_blocking_bound_reaches_engine_json() -> None:
         wire = PREFILL.wire()
         return PREFILL.model_validate({**wire, "engine": {**wire["engine"], **engine}})
 
-    # Unset: the engine's per-device default (PREFILL runs on cuda).
-    assert build_engine_config(PREFILL).resolved_max_blocking_ms() == 4.0
+    # Unset: the engine's per-device default (PREFILL runs on cuda: no splitting there).
+    assert build_engine_config(PREFILL).resolved_max_blocking_ms() is None
     assert build_engine_config(with_engine(maxBlockingMs=2.5)).resolved_max_blocking_ms() == 2.5
     off = build_engine_config(with_engine(operatorSplitting=False, maxBlockingMs=2.5))
     assert off.max_blocking_ms == "off" and off.resolved_max_blocking_ms() is None

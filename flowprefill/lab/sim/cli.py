@@ -98,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run-time operator splitting as the engine's max_blocking_ms: operators "
         "predicted longer run in pieces with a checkpoint between (operator-level systems "
-        f"only). Default: the engine's, {DEFAULT_MAX_BLOCKING_MS:g} on a GPU, "
+        f"only). Default: the paper's {DEFAULT_MAX_BLOCKING_MS:g} on a GPU (the engine "
+        "splits on a GPU only when its max_blocking_ms is set), the engine's "
         f"{DEFAULT_MAX_BLOCKING_MS_CPU:g} with --profile (CPU); none/0 = never split",
     )
     dev.add_argument(

@@ -177,9 +177,10 @@ class SweepConfig(BaseModel):
         None,
         description="Run-time operator splitting, as the engine's EngineConfig.max_blocking_ms: "
         "operators predicted longer run in pieces with a checkpoint between them (systems "
-        f"preempting at operator level only). null: the engine's default for the device "
-        f"({DEFAULT_MAX_BLOCKING_MS:g} ms on a GPU, {DEFAULT_MAX_BLOCKING_MS_CPU:g} ms for a "
-        'CPU --profile); "off": never split.',
+        f"preempting at operator level only). null: the paper's {DEFAULT_MAX_BLOCKING_MS:g} "
+        "ms on a GPU (the engine splits on a GPU only when its max_blocking_ms is set), the "
+        f'engine\'s {DEFAULT_MAX_BLOCKING_MS_CPU:g} ms for a CPU --profile; "off": never '
+        "split.",
     )
     jobs: int = Field(2, description="Worker processes.")
     transport: str = Field(

@@ -129,7 +129,7 @@ class EngineSettings(CRModel):
         le=10_000,
         description="Operators predicted to run longer than this between two preemption "
         "checkpoints are split at run time (operator granularity); unset = the device's "
-        "default (4 on cuda, 100 on cpu).",
+        "default (none on cuda: measured slower there, docs/gpu.md; 100 on cpu).",
     )
     parked_memory: str | None = Field(
         default=None,
