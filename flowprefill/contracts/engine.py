@@ -217,6 +217,13 @@ class EngineConfig(BaseModel):
         description="Executor kernels: fast (oneDNN linears on prepacked float32 CPU weights) "
         f"or reference (the model's own modules); None: ${KERNELS_ENV}, else fast.",
     )
+    device_sync: Literal["every_check", "run_ahead", "on_preempt"] = Field(
+        "every_check",
+        description="When a running prefill waits for its CUDA stream (no effect on cpu): "
+        "every_check, at every checkpoint (the lowest blocking); run_ahead, for the "
+        "operator before the last, so launches overlap the GPU (cheaper for short prompts, "
+        "about one operator more blocking: docs/gpu.md); on_preempt, only when parking.",
+    )
     tp_size: int = Field(
         1,
         ge=1,

@@ -43,6 +43,7 @@ def build_executor(
         device=config.device,
         kernels=config.resolved_kernels(),
         max_blocking_ms=config.resolved_max_blocking_ms(),
+        sync=config.device_sync,
     )
 
 

@@ -43,3 +43,15 @@ def test_tensor_parallel_beyond_one_machine_is_refused_with_a_pointer_to_the_doc
     assert EngineConfig(model_path="tiny-llama", tp_size=8).tp_size == 8
     with pytest.raises(ValidationError, match=r"tp_size=9(.|\n)*docs/executor\.md"):
         EngineConfig(model_path="tiny-llama", tp_size=9)
+
+
+@pytest.mark.parametrize("mode", ["every_check", "run_ahead", "on_preempt"])
+def test_config_chooses_the_device_sync_mode(mode: str) -> None:
+    with build_executor(EngineConfig(device_sync=mode)) as executor:  # type: ignore[arg-type]
+        assert executor.sync_mode == mode
+    assert EngineConfig().device_sync == "every_check"
+
+
+def test_unknown_device_sync_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValidationError, match="device_sync"):
+        EngineConfig(device_sync="sometimes")  # type: ignore[arg-type]

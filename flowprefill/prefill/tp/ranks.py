@@ -132,6 +132,7 @@ def init_rank(config: EngineConfig, rank: int, master_port: int) -> PreemptibleE
         # NIXL: every rank serves its own heads (kv_ranks.py); nothing gathered.
         kv_gather=None if nixl_enabled(config) else gather_kv_heads,
         max_blocking_ms=config.resolved_max_blocking_ms(),
+        sync=config.device_sync,
     )
     policy = executor.split_policy
     if policy is not None:
