@@ -228,12 +228,13 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for arm in arms if repeat % 2 == 0 else list(reversed(arms)):
                     progress.update(job, description=f"{arm.queued} queued, {arm.scheduler}")
+                    seen = len(arm.blocking_ms)
                     one_run(arm, ex, predictor, long_prompt, long_s, args)
                     progress.advance(job)
                     # A line per run, so a run cut short still shows what it measured.
                     progress.console.print(
                         f"repeat {repeat + 1}, {arm.queued:,} queued, {arm.scheduler}: blocking "
-                        f"{' '.join(f'{b:.2f}' for b in arm.blocking_ms[-args.probes :])} ms, "
+                        f"{' '.join(f'{b:.2f}' for b in arm.blocking_ms[seen:])} ms, "
                         f"long TTFT {arm.long_ttft_ms[-1]:.0f} ms"
                     )
     table = Table(
