@@ -47,11 +47,11 @@ def test_tensor_parallel_beyond_one_machine_is_refused_with_a_pointer_to_the_doc
 
 @pytest.mark.parametrize("mode", ["every_check", "run_ahead", "on_preempt"])
 def test_config_chooses_the_device_sync_mode(mode: str) -> None:
-    with build_executor(EngineConfig(device_sync=mode)) as executor:  # type: ignore[arg-type]
+    with build_executor(EngineConfig(device_sync=mode)) as executor:
         assert executor.sync_mode == mode
     assert EngineConfig().device_sync == "every_check"
 
 
 def test_unknown_device_sync_is_refused_naming_the_field() -> None:
     with pytest.raises(ValidationError, match="device_sync"):
-        EngineConfig(device_sync="sometimes")  # type: ignore[arg-type]
+        EngineConfig(device_sync="sometimes")
