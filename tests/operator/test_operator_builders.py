@@ -122,6 +122,7 @@ def test_prefill_command_config_and_probes() -> None:
         "batching": "slo-aware",
         "kernels": None,
         "num_threads": None,
+        "device_sync": "every_check",
         # No kvHandoff on a GPU pool: nixl with its defaults (test_operator_nixl.py).
         "kv": {
             "transport": "nixl",
