@@ -26,6 +26,8 @@ from flowprefill.contracts.deployment import KERNELS_ENV, default_kv_dir, env_or
 from flowprefill.contracts.names import (
     Batching,
     BatchingName,
+    DeviceSync,
+    DeviceSyncName,
     DType,
     DTypeName,
     Granularity,
@@ -217,8 +219,8 @@ class EngineConfig(BaseModel):
         description="Executor kernels: fast (oneDNN linears on prepacked float32 CPU weights) "
         f"or reference (the model's own modules); None: ${KERNELS_ENV}, else fast.",
     )
-    device_sync: Literal["every_check", "run_ahead", "on_preempt"] = Field(
-        "every_check",
+    device_sync: DeviceSyncName = Field(
+        DeviceSync.EVERY_CHECK,
         description="When a running prefill waits for its CUDA stream (no effect on cpu): "
         "every_check, at every checkpoint (the lowest blocking); run_ahead, for the "
         "operator before the last, so launches overlap the GPU (cheaper for short prompts, "

@@ -105,6 +105,15 @@ class Kernels(Name):
     REFERENCE = "reference"
 
 
+class DeviceSync(Name):
+    """When a running prefill waits for its CUDA stream (flowprefill/prefill/executor/device.py):
+    at every checkpoint, for the operator ``run_ahead`` checkpoints back, or only when parking."""
+
+    EVERY_CHECK = "every_check"
+    RUN_AHEAD = "run_ahead"
+    ON_PREEMPT = "on_preempt"
+
+
 class DType(Name):
     """Element type of weights, activations and KV caches. The value is torch's name for
     it, so the torch side derives its dtype from the name (:data:`flowprefill.kv.format.DTYPES`)."""
@@ -151,6 +160,7 @@ _WHAT: dict[type[Name], str] = {
     Admission: "admission policy",
     KVTransport: "KV transport",
     Kernels: "executor kernels",
+    DeviceSync: "device sync mode",
     DType: "dtype",
     Role: "role",
 }
@@ -163,4 +173,5 @@ GranularityName = Annotated[Granularity, BeforeValidator(Granularity.parse)]
 RouterName = Annotated[Router, BeforeValidator(Router.parse)]
 KVTransportName = Annotated[KVTransport, BeforeValidator(KVTransport.parse)]
 KernelsName = Annotated[Kernels, BeforeValidator(Kernels.parse)]
+DeviceSyncName = Annotated[DeviceSync, BeforeValidator(DeviceSync.parse)]
 DTypeName = Annotated[DType, BeforeValidator(DType.parse)]

@@ -10,7 +10,8 @@ through many operators queued earlier. Two consequences (paper §5.1):
 - before a task ACKs a preemption, its stream must be drained, so the urgent task does not
   compete with kernels the parked task left queued.
 
-``SyncMode`` selects *when* the task's stream is synchronised:
+``DeviceSync`` (:mod:`flowprefill.contracts.names`) selects *when* the task's stream is
+synchronised:
 
 ``every_check`` (the paper's choice, the default)
     Synchronise at every checkpoint. The host never runs more than one operator ahead of
@@ -48,21 +49,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
-from flowprefill.errors import UnknownNameError
+from flowprefill.contracts.names import DeviceSync
 from flowprefill.prefill.executor.context import checkpoint, thread_context
 
-SyncMode = Literal["every_check", "run_ahead", "on_preempt"]
-SYNC_MODES: tuple[str, ...] = ("every_check", "run_ahead", "on_preempt")
 
-
-def check_sync_mode(mode: str) -> SyncMode:
-    if mode not in SYNC_MODES:
-        raise UnknownNameError("device sync mode", mode, SYNC_MODES)
-    return mode  # type: ignore[return-value]
+def check_sync_mode(mode: str | DeviceSync) -> DeviceSync:
+    """``mode`` parsed by :meth:`DeviceSync.parse` (every_check, run_ahead or on_preempt)."""
+    return DeviceSync.parse(mode)
 
 
 class DeviceStreams(Protocol):
@@ -173,14 +170,14 @@ def check_run_ahead(run_ahead: int) -> int:
 
 
 def per_check_sync(
-    streams: DeviceStreams, stream: object | None, mode: SyncMode, run_ahead: int = 1
+    streams: DeviceStreams, stream: object | None, mode: DeviceSync, run_ahead: int = 1
 ) -> Callable[[], None] | None:
     """What one task's checkpoints wait for before counting, on its own ``stream``: the
     whole stream (``every_check``), the work queued ``run_ahead`` checkpoints ago
     (``run_ahead``), or nothing (``on_preempt``, or a synchronous device)."""
-    if not streams.asynchronous or mode == "on_preempt":
+    if not streams.asynchronous or mode == DeviceSync.ON_PREEMPT:
         return None
-    if mode == "every_check":
+    if mode == DeviceSync.EVERY_CHECK:
         return lambda: streams.synchronize(stream)
     queued: deque[object] = deque()
 
@@ -205,8 +202,8 @@ def synchronizing_checkpoint() -> None:
     checkpoint()
 
 
-def boundary_fn(streams: DeviceStreams, mode: SyncMode) -> Callable[[], None]:
+def boundary_fn(streams: DeviceStreams, mode: DeviceSync) -> Callable[[], None]:
     """What a checkpoint hook calls for these streams and mode."""
-    if streams.asynchronous and mode != "on_preempt":
+    if streams.asynchronous and mode != DeviceSync.ON_PREEMPT:
         return synchronizing_checkpoint
     return checkpoint

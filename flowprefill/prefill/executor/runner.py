@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flowprefill.contracts.names import Granularity, Kernels
+from flowprefill.contracts.names import DeviceSync, Granularity, Kernels
 from flowprefill.errors import InvalidRequestError
 from flowprefill.prefill.executor import patches
 from flowprefill.prefill.executor.calibration import calibrate
@@ -35,7 +35,6 @@ from flowprefill.prefill.executor.checkpoints import (
 from flowprefill.prefill.executor.context import thread_context
 from flowprefill.prefill.executor.device import (
     DeviceStreams,
-    SyncMode,
     boundary_fn,
     check_run_ahead,
     check_sync_mode,
@@ -101,7 +100,7 @@ class PreemptibleExecutor:
         granularity: str | Granularity = Granularity.OPERATOR,
         chunk_size: int | None = None,
         device: str | torch.device | None = None,
-        sync: str = "every_check",
+        sync: str | DeviceSync = DeviceSync.EVERY_CHECK,
         run_ahead: int = 1,
         streams: DeviceStreams | None = None,
         kernels: str | Kernels | None = None,
@@ -154,7 +153,7 @@ class PreemptibleExecutor:
         # Every option is checked before the model is touched.
         self.granularity = check_granularity(granularity)
         self.kernels = resolve_kernels(kernels)
-        self.sync_mode: SyncMode = check_sync_mode(sync)
+        self.sync_mode = check_sync_mode(sync)
         self.run_ahead = check_run_ahead(run_ahead)
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")

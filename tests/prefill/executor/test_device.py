@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from flowprefill.contracts.names import DeviceSync
 from flowprefill.errors import UnknownNameError
 from flowprefill.prefill.executor.context import checkpoint
 from flowprefill.prefill.executor.device import (
@@ -118,11 +119,11 @@ def test_streams_selection_and_modes() -> None:
         with pytest.raises(ValueError, match="run_ahead must be a positive"):
             check_run_ahead(bad)  # type: ignore[arg-type]
     # What the hooks call: a per-check sync only for async devices in every_check mode.
-    assert boundary_fn(CpuStreams(), "every_check") is checkpoint
-    assert boundary_fn(cuda, "on_preempt") is checkpoint
-    assert boundary_fn(cuda, "every_check") is synchronizing_checkpoint
-    assert boundary_fn(cuda, "run_ahead") is synchronizing_checkpoint
-    assert boundary_fn(CpuStreams(), "run_ahead") is checkpoint
+    assert boundary_fn(CpuStreams(), DeviceSync.EVERY_CHECK) is checkpoint
+    assert boundary_fn(cuda, DeviceSync.ON_PREEMPT) is checkpoint
+    assert boundary_fn(cuda, DeviceSync.EVERY_CHECK) is synchronizing_checkpoint
+    assert boundary_fn(cuda, DeviceSync.RUN_AHEAD) is synchronizing_checkpoint
+    assert boundary_fn(CpuStreams(), DeviceSync.RUN_AHEAD) is checkpoint
 
 
 def test_cpu_run_sets_no_device_sync(
