@@ -29,7 +29,8 @@ synchronised:
     ACK arrives within ``run_ahead + 1`` operators of the signal and no kernel is left
     queued. ``TaskControl.progress`` counts checkpoints the host passed; the device has
     finished all but the last ``run_ahead`` operators. Measured on an H100 (docs/gpu.md):
-    the per-check round trips of ``every_check`` cost up to half a 512-token prefill.
+    a 512-token prefill at operator level took 37 % longer than without checkpoints with
+    ``every_check`` and 23 % with ``run_ahead`` 1; from 8K tokens up both cost ~1 % or less.
 
 ``on_preempt``
     Synchronise only when parking (via ``TaskControl.device_sync``, before the ACK). The
