@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse
 from flowprefill.contracts.deployment import SLO_CLASS_USED_HEADER, SLO_FALLBACK_HEADER
 from flowprefill.contracts.gateway import HealthProbeSettings
 from flowprefill.gateway import tokens
+from flowprefill.gateway.asgi import GatewayApp
 from flowprefill.gateway.classify import Classification, Job, SLOTableFile, fallback_note, intake
 from flowprefill.gateway.decode import DecodeStage
 from flowprefill.gateway.errors import ClientError, GatewayError, as_gateway_error
@@ -86,7 +87,10 @@ def class_headers(classification: Classification) -> dict[str, str]:
     return headers
 
 
-def create_gateway_app(state: GatewayState) -> FastAPI:
+def create_gateway_app(state: GatewayState) -> GatewayApp:
+    """The gateway's ASGI app: a FastAPI app (every route, OpenAPI, the error handlers)
+    whose completion endpoints well-formed requests reach directly
+    (:class:`~flowprefill.gateway.asgi.GatewayApp`)."""
     m = state.metrics
     prefill = PrefillStage(
         state.prefill_pool,
@@ -129,13 +133,13 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         return error_response(exc.status, str(exc), exc.type_, param=exc.param)
 
     async def serve(
-        request: Request, body: CompletionRequest | ChatCompletionRequest
+        request: Request, body: CompletionRequest | ChatCompletionRequest, path: str
     ) -> JSONResponse | EventStreamResponse:
         job = intake(
             body,
             arrival_s=state.clock(),
             headers=request.headers,
-            path=request.url.path,
+            path=path,
             model_name=state.model_name,
             table=state.slo_file.table,
             tokenizer=state.tokenizer,
@@ -165,11 +169,11 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await serve(request, body)
+        return await serve(request, body, request.url.path)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await serve(request, body)
+        return await serve(request, body, request.url.path)
 
     @app.post("/tokenize")
     async def tokenize(body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
@@ -188,7 +192,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         not_ready=lambda: None if state.prefill_pool.healthy() else "no healthy prefill instance",
         registry=m.registry,
     )
-    return app
+    return GatewayApp(app, serve)
 
 
 async def _watch_table(state: GatewayState) -> None:

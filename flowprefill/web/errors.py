@@ -110,6 +110,16 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_middleware(UnexpectedErrors)
 
 
+def log_unexpected(exc: BaseException) -> None:
+    """Log an exception no handler took by type and traceback, never by message (see
+    :class:`UnexpectedErrors`)."""
+    log.error(
+        "unhandled %s (message withheld: it may echo the request)\n%s",
+        type(exc).__name__,
+        "".join(traceback.format_tb(exc.__traceback__)).rstrip(),
+    )
+
+
 class UnexpectedErrors:
     """ASGI middleware: an exception no handler took is answered 500 (unless the response
     has started) and logged by type and traceback, not by message: a message may echo the
@@ -134,11 +144,7 @@ class UnexpectedErrors:
         try:
             await self.app(scope, receive, tracked)
         except Exception as exc:
-            log.error(
-                "unhandled %s (message withheld: it may echo the request)\n%s",
-                type(exc).__name__,
-                "".join(traceback.format_tb(exc.__traceback__)).rstrip(),
-            )
+            log_unexpected(exc)
             if not started:
                 await error_response(500, f"internal error: {type(exc).__name__}")(
                     scope, receive, send
