@@ -98,6 +98,7 @@ from flowprefill.gateway.admission import (
     predicted_finish_s,
 )
 from flowprefill.gateway.errors import NoHealthyInstanceError, UpstreamError
+from flowprefill.gateway.stall import StallFlag
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Instance:
     in_flight: dict[str, tuple[float, int]] = field(default_factory=dict)
     """The in-flight book: request id -> (deadline_s, num_tokens) of work this gateway
     sent here and awaits."""
-    stall: asyncio.Event = field(default_factory=asyncio.Event)
+    stall: StallFlag = field(default_factory=lambda: StallFlag())
     """Set while the health prober finds it unresponsive (:class:`HealthProber`): out of
     rotation whatever its back-off says."""
 
@@ -365,14 +366,13 @@ async def until_stalled(
     assert task is not None, "until_stalled runs inside a task"
     waiting = abandoned = False
 
-    def on_stall(_: object) -> None:
+    def on_stall() -> None:
         nonlocal abandoned
         if waiting and not abandoned:
             abandoned = True
             task.cancel(f"{role} instance {inst.url} stalled")
 
-    watcher = asyncio.ensure_future(inst.stall.wait())
-    watcher.add_done_callback(on_stall)
+    inst.stall.add_listener(on_stall)
     try:
         while True:
             if inst.stall.is_set():
@@ -396,8 +396,7 @@ async def until_stalled(
                 raise _stalled(inst, role)
             yield item
     finally:
-        watcher.remove_done_callback(on_stall)
-        watcher.cancel()
+        inst.stall.remove_listener(on_stall)
 
 
 def _stalled(inst: Instance, role: str) -> UpstreamError:

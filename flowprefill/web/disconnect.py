@@ -27,21 +27,31 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     the watcher reads the connection's remaining messages, of which only
     ``http.disconnect`` is left.
     """
-    task = asyncio.ensure_future(work)
+    # The work runs in this task and one watcher cancels it: a task for the work and
+    # asyncio.wait around the pair would cost more than the rest of a short request's
+    # bookkeeping. The cancellation is ours only when the watcher saw the disconnect and
+    # nobody else cancelled too (uncancel() == 0).
+    task = asyncio.current_task()
+    assert task is not None, "unless_disconnected runs inside a task"
+    gone = False
 
     async def disconnected() -> None:
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        task.cancel()
 
     watcher = asyncio.ensure_future(disconnected())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # we were cancelled ourselves: take the work down with us
-        task.cancel()
+        result = await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:
+            raise ClientDisconnected("client disconnected") from None
         raise
     finally:
         watcher.cancel()
-    if task not in done:
-        task.cancel()
+    # The work swallowed the cancellation and finished anyway: the client is still gone.
+    if gone and task.uncancel() == 0:
         raise ClientDisconnected("client disconnected")
-    return task.result()
+    return result
