@@ -290,6 +290,18 @@ class Scheduler:
         entry, so this keeps at least the leader."""
         if len(batch) == 1:
             return batch
+        leader = batch[0]
+        whole = RankInput(
+            leader.deadline_s,
+            leader.arrival_s,
+            self.predict_s(sum(r.num_tokens for r in batch)),
+            leader.seq,
+        )
+        if self.policy.sort_key(whole, now_s) <= self.sort_key(leader, now_s):
+            # The leader ranks first of every runnable entry, so the whole batch ranking
+            # no lower does too: nothing would be trimmed (the usual case: a batch that
+            # keeps its leader feasible keeps its key), and no outside entry is looked up.
+            return batch
         return self._trimmed(batch, self._best_outside(batch, now_s), now_s)
 
     def _trimmed(

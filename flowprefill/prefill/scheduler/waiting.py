@@ -10,36 +10,51 @@ instead of ranking the whole queue:
 - ``late``: requests whose instant passed, keyed by ``after``;
 - a request whose instant is exactly now has its ``at`` key (found in ``switches``).
 
-The lists exist twice: for the whole queue (the most urgent request, the order), and per
-power-of-two bucket of token counts, so that batching can skip every request too large
-for the room left in its batch (:class:`Candidates`) a bucket at a time.
+These are binary heaps (``heapq``), one pair per power-of-two bucket of prompt lengths,
+so that batching can skip every request too large for the room left in its batch
+(:class:`Candidates`) a bucket at a time. The most urgent request is the smallest of the
+buckets' tops (a few dozen at most); the order is read without changing a heap by a walk
+from its root (a small heap of the frontier, O(log k) for the k-th item; :func:`_walk`),
+and the walks of all the buckets merge in one frontier.
 
-Costs with ``n`` waiting requests (sortedcontainers' SortedList): add and remove
-O(log n); :meth:`WaitingQueue.first` O(1); ordered iteration O(log n) per request
-yielded, plus the requests of a bucket that only partly fits, skipped one by one; a
-request moves from ``early`` to ``late`` once, O(log n). Time may go backwards (a
-caller's clock, a test): the queue then re-sorts, O(n log n).
+Deletion is lazy. A request that leaves (submitted in a batch, cancelled) or moves from
+``early`` to ``late`` leaves a dead item behind (one naming an entry that is gone, or a
+side its entry left); **every heap's top is live after every change** (dead tops are
+popped at once), deeper dead items are skipped by walks, and when dead items outnumber
+the waiting requests by :data:`COMPACT_SLACK` every heap is rebuilt without them (O(n),
+so O(1) amortized). The heaps hold at most ``3n + COMPACT_SLACK`` items.
+
+Costs with ``n`` waiting requests: add O(log n); remove O(log n) when the request heads its
+bucket (batch members usually do), else O(1), amortized; :meth:`WaitingQueue.first`
+O(buckets); ordered iteration O(log k) for the k-th item met (yielded, too large in a
+bucket that partly fits, or dead); a request moves from ``early`` to ``late`` once,
+O(log n). Time may go backwards (a caller's clock, a test): the queue then rebuilds,
+O(n log n). Nothing in a round grows with ``n`` but these logarithms.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sortedcontainers import SortedList
-
 from flowprefill.prefill.request import Request
 from flowprefill.prefill.scheduler.policies import Phases, PriorityPolicy, RankInput, SortKey
 
-Keyed = tuple[SortKey, str]
-"""(key, request_id): what the ordered lists hold (keys are unique: they end with seq)."""
-_Head = tuple[SortKey, str, int, int, Any, Iterator[Keyed] | None]
-"""A merge source's head: its key and request id, the source's number (ties: a request
-may head two sources, with two keys, when its instant is now), its bucket (-1: none),
-its list (None: the requests at their instant) and its iterator once started."""
+Keyed = tuple[Any, ...]
+"""``(*key, request_id, entry token)``: what the side heaps hold, flat (comparing flat
+tuples is cheaper than comparing nested ones). Keys are unique (they end with seq), so
+the id and token never decide the order; the token tells a re-added request's item from
+its earlier entry's."""
+Switch = tuple[float, int, str]
+"""(switch_s, entry token, request_id): what the switch heap holds."""
+
+COMPACT_SLACK = 1024
+"""Dead items tolerated beyond the number of waiting requests before every heap is
+rebuilt without them (O(n), so O(1) amortized per removal)."""
 
 
 def bucket_of(num_tokens: int) -> int:
@@ -57,18 +72,44 @@ class _Entry:
     rank: RankInput
     phases: Phases
     bucket: int
+    token: int
+    """Unique per :meth:`WaitingQueue.add`."""
     late: bool = False
 
+    @property
+    def key(self) -> SortKey:
+        """The key this entry is kept under now (``at`` aside: see ``_at_now``)."""
+        return self.phases.after if self.late else self.phases.before
 
-class _Bucket:
-    __slots__ = ("early", "late")
+    def item(self) -> Keyed:
+        """The item this entry is kept under now (on its side: late or early)."""
+        return (*self.key, self.request.request_id, self.token)
+
+
+class _Sides:
+    """The early and the late heap of one group of requests (a bucket, or all of them)."""
+
+    __slots__ = ("early", "late", "live")
 
     def __init__(self) -> None:
-        self.early = SortedList()
-        self.late = SortedList()
+        self.early: list[Keyed] = []
+        self.late: list[Keyed] = []
+        self.live = 0
+        """Waiting requests in this group (the heaps also hold dead items)."""
 
-    def __len__(self) -> int:
-        return len(self.early) + len(self.late)
+    def side(self, late: bool) -> list[Keyed]:
+        return self.late if late else self.early
+
+
+def _walk(heap: list[Switch]) -> Iterator[Switch]:  # the switch heap's; ordered() inlines it
+    """The items of a binary heap in order, the heap unchanged: O(log k) for the k-th."""
+    frontier = [(heap[0], 0)] if heap else []
+    while frontier:
+        item, i = heapq.heappop(frontier)
+        yield item
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < len(heap):
+                heapq.heappush(frontier, (heap[child], child))
 
 
 class Candidates:
@@ -102,9 +143,11 @@ class WaitingQueue:
     def __init__(self, policy: PriorityPolicy) -> None:
         self.policy = policy
         self._entries: dict[str, _Entry] = {}
-        self._all = _Bucket()
-        self._buckets: dict[int, _Bucket] = {}
-        self._switches = SortedList()  # (switch_s, seq, request_id) of early entries
+        self._buckets: dict[int, _Sides] = {}
+        self._switches: list[Switch] = []  # early entries whose key will move
+        self._dead = 0
+        """Dead items in all heaps (exact: counted as they die and as they are popped)."""
+        self._tokens = itertools.count()
         self._now_s = -math.inf
         self.num_tokens = 0
         """Prompt tokens of every waiting request (kept as they come and go)."""
@@ -119,49 +162,87 @@ class WaitingQueue:
         entry = self._entries.get(request_id)
         return entry.rank if entry is not None else None
 
+    @property
+    def held_items(self) -> int:
+        """Items every heap holds, dead ones included: at most ``3n + COMPACT_SLACK``
+        (each waiting request's item in its bucket and in the switch heap, and no more
+        dead ones than waiting requests plus the slack)."""
+        groups = self._buckets.values()
+        return len(self._switches) + sum(len(g.early) + len(g.late) for g in groups)
+
     # ------------------------------------------------------------------ membership
 
     def add(self, request: Request, rank: RankInput) -> None:
         phases = self.policy.phases(rank)
-        entry = _Entry(request, rank, phases, bucket_of(request.num_tokens))
+        entry = _Entry(request, rank, phases, bucket_of(request.num_tokens), next(self._tokens))
         self._entries[request.request_id] = entry
         self.num_tokens += request.num_tokens
         self._place(entry)
 
     def remove(self, request_id: str) -> Request | None:
+        """Take a request out: its items die where they are (the tops are popped)."""
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return None
         self.num_tokens -= entry.request.num_tokens
         bucket = self._buckets[entry.bucket]
-        for lists in (self._all, bucket):
-            if entry.late:
-                lists.late.remove((entry.phases.after, request_id))
-            else:
-                lists.early.remove((entry.phases.before, request_id))
-        if not entry.late and entry.phases.switch_s != math.inf:
-            self._switches.remove(self._switch_item(entry))
-        if not bucket:
-            del self._buckets[entry.bucket]
+        bucket.live -= 1
+        moves = not entry.late and entry.phases.switch_s != math.inf
+        self._dead += 2 if moves else 1
+        self._pop_dead(bucket.side(entry.late), entry.late)
+        if moves:
+            self._pop_dead_switches()
+        self._compact_if_due()
         return entry.request
 
     def _place(self, entry: _Entry) -> None:
         bucket = self._buckets.get(entry.bucket)
         if bucket is None:
-            bucket = self._buckets[entry.bucket] = _Bucket()
-        rid = entry.request.request_id
+            bucket = self._buckets[entry.bucket] = _Sides()
+        bucket.live += 1
         entry.late = entry.phases.switch_s < self._now_s
-        for lists in (self._all, bucket):
-            if entry.late:
-                lists.late.add((entry.phases.after, rid))
-            else:
-                lists.early.add((entry.phases.before, rid))
+        item = entry.item()
+        heapq.heappush(bucket.side(entry.late), item)
         if not entry.late and entry.phases.switch_s != math.inf:
-            self._switches.add(self._switch_item(entry))
+            heapq.heappush(
+                self._switches, (entry.phases.switch_s, entry.token, entry.request.request_id)
+            )
 
-    @staticmethod
-    def _switch_item(entry: _Entry) -> tuple[float, int, str]:
-        return (entry.phases.switch_s, entry.rank.seq, entry.request.request_id)
+    # ------------------------------------------------------------------ dead items
+
+    def _live(self, rid: str, token: int, late: bool | None) -> _Entry | None:
+        """The entry an item stands for (``late``: the side its heap holds; None: any),
+        or None when the item is dead (its request left, or moved to the other side)."""
+        entry = self._entries.get(rid)
+        if entry is None or entry.token != token or (late is not None and entry.late != late):
+            return None
+        return entry
+
+    def _pop_dead(self, heap: list[Keyed], late: bool) -> None:
+        while heap and self._live(heap[0][-2], heap[0][-1], late) is None:
+            heapq.heappop(heap)
+            self._dead -= 1
+
+    def _pop_dead_switches(self) -> None:
+        heap = self._switches
+        while heap and self._live(heap[0][2], heap[0][1], False) is None:
+            heapq.heappop(heap)
+            self._dead -= 1
+
+    def _compact_if_due(self) -> None:
+        if self._dead <= len(self._entries) + COMPACT_SLACK:
+            return
+        for group in self._buckets.values():
+            for late in (False, True):
+                kept = [x for x in group.side(late) if self._live(x[-2], x[-1], late)]
+                heapq.heapify(kept)
+                if late:
+                    group.late = kept
+                else:
+                    group.early = kept
+        self._switches = [x for x in self._switches if self._live(x[2], x[1], False)]
+        heapq.heapify(self._switches)
+        self._dead = 0
 
     # ------------------------------------------------------------------ time
 
@@ -169,33 +250,42 @@ class WaitingQueue:
         """Move every request whose instant is before ``now_s`` to its ``after`` key."""
         if now_s < self._now_s:
             entries = list(self._entries.values())
-            self._all = _Bucket()
             self._buckets.clear()
             self._switches.clear()
+            self._dead = 0
             self._now_s = now_s
             for entry in entries:
                 self._place(entry)
             return
         self._now_s = now_s
-        switches = self._switches
-        while switches and switches[0][0] < now_s:
-            _, _, rid = switches.pop(0)
-            entry = self._entries[rid]
+        heap = self._switches
+        if not heap or heap[0][0] >= now_s:
+            return
+        while heap and heap[0][0] < now_s:
+            _, _, rid = heapq.heappop(heap)
+            entry = self._entries[rid]  # the top is live
+            bucket = self._buckets[entry.bucket]
             entry.late = True
-            for lists in (self._all, self._buckets[entry.bucket]):
-                lists.early.remove((entry.phases.before, rid))
-                lists.late.add((entry.phases.after, rid))
+            self._dead += 1  # its early item
+            item = entry.item()
+            heapq.heappush(bucket.late, item)
+            self._pop_dead(bucket.early, False)
+            self._pop_dead_switches()
+        self._compact_if_due()
 
     def _at_now(self, now_s: float) -> list[tuple[int, Keyed]]:
-        """Early requests whose instant is exactly ``now_s``: (bucket, (``at`` key, id))."""
-        switches = self._switches
-        if not switches or switches[0][0] != now_s:  # after advance(): none is before now
+        """Early requests whose instant is exactly ``now_s``: (bucket, item under their
+        ``at`` key)."""
+        heap = self._switches
+        if not heap or heap[0][0] > now_s:  # after advance(): none is before now
             return []
-        # irange, not islice: positions would make SortedList re-index after every change.
         found = []
-        for _, _, rid in switches.irange((now_s,), (now_s, math.inf)):
-            entry = self._entries[rid]
-            found.append((entry.bucket, (entry.phases.at, rid)))
+        for switch_s, token, rid in _walk(heap):
+            if switch_s > now_s:
+                break
+            entry = self._live(rid, token, False)
+            if entry is not None:
+                found.append((entry.bucket, (*entry.phases.at, rid, token)))
         return found
 
     # ------------------------------------------------------------------ order
@@ -205,55 +295,65 @@ class WaitingQueue:
         self.advance(now_s)
         if self._at_now(now_s):
             return next(self.ordered(now_s), None)  # rare: a float instant hit exactly
-        early, late = self._all.early, self._all.late
-        if early and (not late or early[0] < late[0]):
-            key, rid = early[0]
-        elif late:
-            key, rid = late[0]
-        else:
+        best: Keyed | None = None
+        for group in self._buckets.values():  # their tops are live
+            for heap in (group.early, group.late):
+                if heap and (best is None or heap[0] < best):
+                    best = heap[0]
+        if best is None:
             return None
-        return key, self._entries[rid].request
+        entry = self._entries[best[-2]]
+        return entry.key, entry.request
 
     def ordered(
         self, now_s: float, limit: Candidates | None = None
     ) -> Iterator[tuple[SortKey, Request]]:
         """Every waiting request with its key at ``now_s``, most urgent first; with
         ``limit``, those of more than ``limit.max_tokens`` tokens (read as it changes) may
-        be left out, a whole bucket at a time where none of it fits.
+        be left out, a whole bucket at a time where none of it fits. The queue must not
+        change while the iterator is in use.
 
-        Merges sorted sources: each bucket's ``early`` and ``late`` lists (the whole
-        queue's without ``limit``), and the requests whose instant is exactly now. A
-        source is iterated only once its head has been taken."""
+        One walk (as :func:`_walk`) over several heaps at once: each bucket's ``early``
+        and ``late`` heap and the requests whose instant is exactly now. A bucket that
+        cannot fit any more is not walked further."""
         self.advance(now_s)
         at_now = self._at_now(now_s)
-        skip = {rid for _, (_, rid) in at_now}
-        heads: list[_Head] = []
-        groups = [(-1, self._all)] if limit is None else list(self._buckets.items())
-        for number, lists in groups:
-            for side in (lists.early, lists.late):
-                if side:
-                    heads.append((*side[0], len(heads), number, side, None))
+        skip = {item[-2] for _, item in at_now}
+        room = None if limit is None else limit.max_tokens
+        # Per source: its heap (None: one request at its instant), its bucket
+        # and its side (None: the requests at their instant, which are live).
+        sources: list[tuple[list[Keyed] | None, int, bool | None]] = []
+        frontier: list[tuple[Keyed, int, int]] = []  # (item, source, index in its heap)
+        for number, group in self._buckets.items():
+            if limit is not None and (
+                not group.live or (room is not None and smallest_in(number) > room)
+            ):
+                continue  # nothing in this bucket can fit
+            for side in (False, True):
+                if group.side(side):
+                    frontier.append((group.side(side)[0], len(sources), 0))
+                    sources.append((group.side(side), number, side))
         for number, keyed in at_now:
-            bucket = number if limit is not None else -1
-            heads.append((*keyed, len(heads), bucket, None, iter(())))
-        heapq.heapify(heads)
-        while heads:
-            key, rid, tie, number, side, following = heapq.heappop(heads)
-            if following is None:
-                assert side is not None
-                following = iter(side)
-                next(following)  # the head, being taken now
-            room = limit.max_tokens if limit is not None else None
-            if room is not None and number >= 0 and smallest_in(number) > room:
-                continue  # nothing left in this source can fit: drop it
-            request = self._entries[rid].request
-            fits = room is None or request.num_tokens <= room
-            if fits and (rid not in skip or side is None):  # an early head at now: its key is "at"
-                yield key, request
-            for item in following:
-                if item[1] not in skip:
-                    heapq.heappush(heads, (*item, tie, number, side, following))
-                    break
+            frontier.append((keyed, len(sources), 0))
+            sources.append((None, number, None))
+        heapq.heapify(frontier)
+        while frontier:
+            item, source, i = heapq.heappop(frontier)
+            walked, number, late = sources[source]
+            if limit is not None:
+                room = limit.max_tokens
+                if room is not None and smallest_in(number) > room:
+                    continue  # nothing left in this bucket can fit: not walked further
+            if walked is not None:
+                for child in (2 * i + 1, 2 * i + 2):
+                    if child < len(walked):
+                        heapq.heappush(frontier, (walked[child], source, child))
+            rid = item[-2]
+            if late is not None and rid in skip:
+                continue  # an early item whose instant is now: its key is "at" (own source)
+            entry = self._live(rid, item[-1], late)
+            if entry is not None and (room is None or entry.request.num_tokens <= room):
+                yield (entry.phases.at if late is None else entry.key), entry.request
 
     def requests(self) -> Iterator[Request]:
         """In arrival order of the calls to :meth:`add`."""
