@@ -7,12 +7,13 @@
   from the prompt plus the first token and loading the prompt's KV through
   ``kv_transfer_params`` (:class:`~flowprefill.contracts.kv.DecodeKV`).
 
-Both go through :class:`UpstreamHTTP` (aiohttp: two upstream calls per request are most
-of the gateway's own CPU time, and it costs several times less CPU per request than
-httpx; docs/gateway.md has the measurements). It keeps connections alive, and every
-failure becomes an :class:`~flowprefill.gateway.errors.UpstreamError` with the status the
-gateway answers (502 for an instance that failed or vanished mid-request, 503 when it
-refused the connection, 504 on timeout; a 4xx is passed through) and a reason label
+Both go through :class:`UpstreamHTTP` (:mod:`flowprefill.gateway.http1`, a lean
+keep-alive HTTP/1.1 client on httptools: two upstream calls per request were a quarter of
+the gateway's own CPU time under aiohttp, docs/gateway.md has the measurements). It keeps
+connections alive, and every failure becomes an
+:class:`~flowprefill.gateway.errors.UpstreamError` with the status the gateway answers
+(502 for an instance that failed or vanished mid-request, 503 when it refused the
+connection, 504 on timeout; a 4xx is passed through) and a reason label
 ``<role>_<what>`` for metrics.
 """
 
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-import aiohttp
 from pydantic import ValidationError
 from pydantic_core import from_json
 
@@ -35,6 +35,7 @@ from flowprefill.contracts.deployment import KV_HTTP_PATH, PREFILL_API_PATH
 from flowprefill.contracts.kv import DecodeKV, decode_kv
 from flowprefill.contracts.prefill_api import KVHandoffEvent, PrefillRequest, PrefillResponse
 from flowprefill.errors import KVHandoffError
+from flowprefill.gateway import http1
 from flowprefill.gateway.errors import UpstreamError
 
 log = logging.getLogger(__name__)
@@ -129,37 +130,34 @@ async def _sse_data(lines: AsyncIterator[str]) -> AsyncGenerator[str, None]:
 
 class UpstreamHTTP:
     """POST a JSON body and read a JSON answer or an SSE stream, DELETE; ``role`` (prefill
-    or decode) names the instance in errors and their reason labels. The session is made
-    on first use, in the event loop that serves requests."""
+    or decode) names the instance in errors and their reason labels. The connection pool
+    is made on first use, in the event loop that serves requests. No connection limit:
+    every open stream holds its decode connection for its whole answer, so a cap would
+    make request N+1 wait for a connection behind the streams of others, beyond
+    admission's view; what bounds them is admission and the process's open-file limit.
+    ``timeout_s``: the longest wait for data from an upstream while an answer is read."""
 
     def __init__(self, timeout_s: float = 600.0, connect_timeout_s: float = 5.0) -> None:
-        self.timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_s, sock_read=timeout_s, connect=timeout_s
-        )
-        self._session: aiohttp.ClientSession | None = None
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._client: http1.Client | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def session(self) -> aiohttp.ClientSession:
+    def client(self) -> http1.Client:
         loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            # No connection limit (aiohttp's default is 100): every open stream holds its
-            # decode connection for its whole answer, so a cap would make request N+1 wait
-            # for a connection behind the streams of others, beyond admission's view. What
-            # bounds them is admission and the process's open-file limit.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
-                ),
-                timeout=self.timeout,
-                cookie_jar=aiohttp.DummyCookieJar(),
+        if self._client is None or self._loop is not loop:
+            self._client = http1.Client(
+                connect_timeout_s=self.connect_timeout_s,
+                read_timeout_s=self.timeout_s,
+                keepalive_s=KEEPALIVE_S,
             )
             self._loop = loop
-        return self._session
+        return self._client
 
     def _translate(self, role: str, url: str, exc: BaseException) -> UpstreamError:
         if isinstance(exc, TimeoutError):
             return _timed_out(role, url)
-        if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc, http1.ConnectError):
             return _unreachable(role, url)
         return _failed(role, url, exc)
 
@@ -168,14 +166,12 @@ class UpstreamHTTP:
     ) -> Any:
         """The decoded JSON answer."""
         try:
-            async with self.session().post(
-                url, data=_encode_json(body), headers=_json(headers), allow_redirects=False
-            ) as resp:
-                content = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
+            async with self.client().request("POST", url, _encode_json(body), _json(headers)) as r:
+                content = await r.read()
+        except (OSError, http1.ConnectionLost) as e:  # TimeoutError is an OSError
             raise self._translate(role, url, e) from e
-        if resp.status >= 400:
-            raise _status_error(role, resp.status, content)
+        if r.status >= 400:
+            raise _status_error(role, r.status, content)
         return json.loads(content)
 
     async def sse(
@@ -183,38 +179,36 @@ class UpstreamHTTP:
     ) -> AsyncGenerator[str, None]:
         """The ``data:`` payloads of the streamed answer, up to ``[DONE]``."""
         try:
-            async with self.session().post(
-                url, data=_encode_json(body), headers=_json(headers), allow_redirects=False
-            ) as resp:
-                if resp.status >= 400:
-                    raise _status_error(role, resp.status, await resp.read())
-                async with aclosing(_sse_data(_lines(resp.content))) as payloads:
+            async with self.client().request("POST", url, _encode_json(body), _json(headers)) as r:
+                if r.status >= 400:
+                    raise _status_error(role, r.status, await r.read())
+                async with aclosing(_sse_data(_lines(r.chunks()))) as payloads:
                     async for payload in payloads:
                         yield payload
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (OSError, http1.ConnectionLost) as e:
             raise self._translate(role, url, e) from e
 
     async def delete(self, role: str, url: str) -> int:
         """DELETE ``url``; the status (a missing resource is the caller's business)."""
         try:
-            async with self.session().delete(url, allow_redirects=False) as resp:
-                await resp.read()
-                return resp.status
-        except (aiohttp.ClientError, TimeoutError) as e:
+            async with self.client().request("DELETE", url, None, {}) as r:
+                await r.read()
+                return r.status
+        except (OSError, http1.ConnectionLost) as e:
             raise self._translate(role, url, e) from e
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
-        if self._session is not None and self._loop is asyncio.get_running_loop():
-            await self._session.close()
-        self._session = None
+        if self._client is not None and self._loop is asyncio.get_running_loop():
+            self._client.close()
+        self._client = None
 
 
-async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
     """Lines of a streamed body, split at ``\\n``, ``\\r\\n`` or ``\\r`` (as SSE allows),
     without a limit on line length."""
     buf = b""
-    async for data in content.iter_any():
+    async for data in chunks:
         buf += data
         if b"\r" in buf:
             if buf.endswith(b"\r"):  # maybe the first half of a \r\n
