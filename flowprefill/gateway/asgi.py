@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette._utils import is_async_callable
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -133,14 +133,14 @@ class GatewayApp:
             return None
         try:
             data = json.loads(raw)
-        except ValueError:  # not JSON, not UTF-8
+        except Exception:  # not JSON, not UTF-8, nested too deep (RecursionError): as FastAPI
             return None
         if not isinstance(data, dict):
             return None
         model: type[BaseModel] = self.models[scope["path"]]
         try:
             parsed = model.model_validate(data, from_attributes=True)
-        except ValidationError:
+        except Exception:  # ValidationError, or what FastAPI would meet too
             return None
         assert isinstance(parsed, CompletionRequest | ChatCompletionRequest)
         return parsed

@@ -10,6 +10,7 @@ a recording rule compute the error-budget burn rate, missed / (1 - target)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -34,9 +35,12 @@ from flowprefill.contracts.slo import SLOTable
 from flowprefill.gateway.classify import Refusal
 from flowprefill.gateway.errors import GatewayError
 
+M = TypeVar("M", Counter, Gauge, Histogram)
+
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -117,27 +121,37 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def child(self, metric: M, *labels: str) -> M:
+        """``metric.labels(*labels)``, looked up once: the per-request counters cost a lock
+        and a tuple per call in prometheus_client. (Children are never removed here, and
+        prometheus_client keeps every child it made anyway.)"""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found  # type: ignore[return-value]
+
     def first_token(
         self, slo_class: str, *, ttft_s: float, met: bool, wait_s: float, counted: bool = False
     ) -> None:
         """A request's first token went to its client ``ttft_s`` after gateway arrival;
         ``met`` is judged against the request's TTFT target; ``wait_s`` was spent at
         prefill; ``counted``: already counted missed at its deadline."""
-        self.ttft.labels(slo_class).observe(ttft_s)
+        self.child(self.ttft, slo_class).observe(ttft_s)
         if not counted:
-            self.slo_requests.labels(slo_class, "met" if met else "missed").inc()
-        self.queue_time.labels(slo_class).observe(wait_s)
+            self.child(self.slo_requests, slo_class, "met" if met else "missed").inc()
+        self.child(self.queue_time, slo_class).observe(wait_s)
 
     def missed_at_deadline(self, slo_class: str) -> None:
         """A request had no first token by its deadline: missed, counted now (and not
         again at its first token), so that the miss shows while it still waits."""
-        self.slo_requests.labels(slo_class, "missed").inc()
+        self.child(self.slo_requests, slo_class, "missed").inc()
 
     def decoded(self, slo_class: str, *, decode_s: float, num_tokens: int) -> None:
         """``num_tokens`` (the first included) reached the client, the last ``decode_s``
         after the first: one TPOT sample, unless decode added no token."""
         if num_tokens > 1:
-            self.tpot.labels(slo_class).observe(decode_s / (num_tokens - 1))
+            self.child(self.tpot, slo_class).observe(decode_s / (num_tokens - 1))
 
     def claims(self, refusals: Iterable[Refusal]) -> None:
         """Count the refused claims of one request (unknown class names are not claims)."""
@@ -146,7 +160,7 @@ class GatewayMetrics:
                 self.claims_refused.labels(r.slo_class, r.claim).inc()
 
     def failed(self, err: GatewayError) -> None:
-        self.errors.labels(err.reason).inc()
+        self.child(self.errors, err.reason).inc()
 
 
 HELP = "Target fraction of requests meeting the TTFT SLO (attainmentTarget), by SLO class."

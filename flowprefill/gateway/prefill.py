@@ -187,7 +187,8 @@ class PrefillStage:
         finally:
             overdue.cancel()
         ttft_s = self.clock() - job.arrival_s
-        self.metrics.prefill_work.labels(job.slo.name).inc(self.pool.predict_s(len(job.token_ids)))
+        work_s = self.pool.predict_s(len(job.token_ids))
+        self.metrics.child(self.metrics.prefill_work, job.slo.name).inc(work_s)
         self.metrics.first_token(
             job.slo.name,
             ttft_s=ttft_s,

@@ -188,7 +188,9 @@ class BodySizeLimit:
                 msg = await receive()
             else:
                 try:
-                    msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                    # A timeout scope, not wait_for: no task per message.
+                    async with asyncio.timeout_at(deadline):
+                        msg = await receive()
                 except TimeoutError:
                     raise StarletteHTTPException(
                         408, f"request body not received within {self.body_timeout_s:g} s"

@@ -31,7 +31,7 @@ from flowprefill.models import named_model_dir
 from flowprefill.web.errors import BodySizeLimit
 from tests.helpers import free_port
 
-MAX_BODY = 4096
+MAX_BODY = 16384
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +125,7 @@ CASES: list[tuple[str, dict[str, str], bytes, bool]] = [
     ("/v1/completions", JSON, b"[1, 2]", False),
     ("/v1/completions", JSON, b"null", False),
     ("/v1/completions", JSON, b"\xff\xfe\x00", False),
+    ("/v1/completions", JSON, b'{"a":' * 1500 + b"1" + b"}" * 1500, False),  # RecursionError
     ("/v1/completions", JSON, json.dumps({**COMPLETION, "max_tokens": 0}).encode(), False),
     ("/v1/completions", JSON, json.dumps({"model": "tiny"}).encode(), False),
     ("/v1/chat/completions", JSON, json.dumps({**CHAT, "messages": []}).encode(), False),
