@@ -154,6 +154,7 @@ def local_stack(
     from flowprefill.prefill.predictor.model import TTFTPredictor
     from flowprefill.prefill.server.prefill import create_app
     from flowprefill.web.errors import BodySizeLimit
+    from flowprefill.web.limits import uvicorn_options
 
     with ExitStack() as stack:
         urls, engines = [], []
@@ -173,8 +174,11 @@ def local_stack(
         )
         state = build_state(config, slo_table)
         state.table_refresh_s = table_refresh_s
-        gw = stack.enter_context(
-            serve_in_thread(BodySizeLimit(create_gateway_app(state), 256 * 1024))
+        gw = stack.enter_context(  # served as `serve-gateway` serves it (coalesced writes)
+            serve_in_thread(
+                BodySizeLimit(create_gateway_app(state), 256 * 1024),
+                **uvicorn_options(10.0, coalesce_writes=True),
+            )
         )
         yield {"url": gw, "state": state, "engines": engines, "prefill_urls": urls}
 

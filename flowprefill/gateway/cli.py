@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level="info",
         timeout_graceful_shutdown=args.drain_timeout,
-        **uvicorn_options(args.header_timeout),
+        # Coalesced writes: a stream's events that are ready together leave in one write.
+        **uvicorn_options(args.header_timeout, coalesce_writes=True),
     )
     return 0

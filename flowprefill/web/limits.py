@@ -18,6 +18,8 @@ import asyncio
 import logging
 from typing import Any
 
+from flowprefill.web.coalesce import CoalescingTransport
+
 log = logging.getLogger(__name__)
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -29,10 +31,14 @@ _TIMEOUT_ANSWER = (
 )
 
 
-def header_deadline_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+def header_deadline_protocol(
+    header_timeout_s: float, *, coalesce_writes: bool = False
+) -> type[asyncio.Protocol]:
     """uvicorn's HTTP/1.1 protocol (httptools or h11, as uvicorn picks) with a deadline for
     request headers. Works through the attributes both share (``cycle``, ``transport``,
-    ``loop``): a request's headers are complete once uvicorn made its ``cycle``."""
+    ``loop``): a request's headers are complete once uvicorn made its ``cycle``.
+    ``coalesce_writes``: the answers' writes made in one loop iteration go out as one
+    (:class:`~flowprefill.web.coalesce.CoalescingTransport`)."""
     if header_timeout_s <= 0:
         raise ValueError(f"header timeout must be positive, got {header_timeout_s}")
     # Imported here: the CLIs read this module's defaults when building their arguments,
@@ -46,6 +52,10 @@ def header_deadline_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
+            if coalesce_writes:
+                # After uvicorn took the transport for its flow control (pause/resume
+                # reading stay the transport's): what its requests write goes through this.
+                self.transport = CoalescingTransport(transport, self.loop)
             self._arm()  # a connection that never sends a byte is cut too
 
         def data_received(self, data: bytes) -> None:
@@ -87,9 +97,12 @@ def header_deadline_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
     return HeaderDeadlineProtocol
 
 
-def uvicorn_options(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> dict[str, Any]:
-    """Keyword arguments for ``uvicorn.Config`` that bound what one slow client holds."""
-    return {"http": header_deadline_protocol(header_timeout_s)}
+def uvicorn_options(
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, *, coalesce_writes: bool = False
+) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.Config`` that bound what one slow client holds;
+    ``coalesce_writes``: see :func:`header_deadline_protocol`."""
+    return {"http": header_deadline_protocol(header_timeout_s, coalesce_writes=coalesce_writes)}
 
 
 def add_client_limit_arguments(p: argparse.ArgumentParser, *, max_body_mb: float) -> None:

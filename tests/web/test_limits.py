@@ -25,10 +25,11 @@ HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, int, dict[str, int]]]:
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "coalesced"])
+def server(request: pytest.FixtureRequest) -> Iterator[tuple[str, int, dict[str, int]]]:
     """An app that reads whole bodies (as every JSON endpoint does) and counts the bytes
-    it was given."""
+    it was given; under uvicorn as serve-prefill runs it and as serve-gateway does
+    (coalesced writes)."""
     app = FastAPI()
     install_error_handlers(app)
     seen = {"bytes": 0}
@@ -43,7 +44,7 @@ def server() -> Iterator[tuple[str, int, dict[str, int]]]:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    options = uvicorn_options(header_timeout_s=HEADER_TIMEOUT_S)
+    options = uvicorn_options(header_timeout_s=HEADER_TIMEOUT_S, coalesce_writes=request.param)
     limited = BodySizeLimit(app, MAX_BODY, body_timeout_s=BODY_TIMEOUT_S)
     with serve_in_thread(limited, **options) as url:
         yield url, int(url.rsplit(":", 1)[1]), seen
