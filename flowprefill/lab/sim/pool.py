@@ -58,6 +58,12 @@ class _Run:
     """Bumped whenever the task's expected completion time changes."""
 
 
+def _elapsed(run: _Run, now_s: float) -> float:
+    """Run time a running task has completed by ``now_s`` (none during a stall)."""
+    assert run.started_s is not None
+    return run.done_s + max(0.0, now_s - run.started_s)
+
+
 @dataclass(slots=True)
 class SimulatedPool:
     """:class:`flowprefill.prefill.scheduler.round.Pool` on a virtual clock.
@@ -120,19 +126,21 @@ class SimulatedPool:
         if run.started_s is None or self.running is not task:
             raise RuntimeError(f"{task!r} is not running")
         plan = run.plan
-        elapsed = min(run.done_s + (self.now_s - run.started_s), plan.total_s)
+        elapsed = min(_elapsed(run, self.now_s), plan.total_s)
+        # A stalled task (see :meth:`stall`) only reaches its checkpoint after the stall.
+        stalled = max(0.0, run.started_s - self.now_s)
         checkpoint = plan.next_checkpoint_s(elapsed)
         self.running = None
         run.started_s = None
         if checkpoint is None:
             # Finishes first: its completion (already scheduled) stays valid.
-            blocking = plan.total_s - elapsed
+            blocking = stalled + plan.total_s - elapsed
             run.done_s = plan.total_s
             task.progress = 1.0
             parked = False
         else:
             checkpoint = max(checkpoint, elapsed)
-            blocking = checkpoint - elapsed
+            blocking = stalled + checkpoint - elapsed
             run.done_s = checkpoint
             run.token += 1
             task.progress = plan.progress(checkpoint)
@@ -140,6 +148,38 @@ class SimulatedPool:
         self.blocking_s.append(blocking)
         self.now_s += blocking
         return PreemptOutcome(parked, blocking)
+
+    def stall(self, delay_s: float, *, now_s: float, at_next_checkpoint: bool = False) -> float:
+        """The device is lent to another phase (colocated decode, :mod:`.colocated`): the
+        running task makes no progress for ``delay_s`` — from ``now_s``, or from its next
+        checkpoint at or after ``now_s`` when ``at_next_checkpoint`` (it parks there for
+        a decode step). Its completion moves by ``delay_s`` and its token is bumped (a
+        completion already posted is stale). Returns the clock time the stall begins;
+        with nothing running, or when the task ends before its next checkpoint, no stall
+        happens and that time is returned (``now_s``, or the task's end).
+
+        Until a stall ends the task reports the work done when it began (a round in the
+        window sees it, and a ``preempt`` waits for the stall to end as well)."""
+        if delay_s < 0:
+            raise ValueError(f"a stall cannot be negative: {delay_s}")
+        task = self.running
+        if task is None:
+            return now_s
+        run = self._run(task)
+        assert run.started_s is not None
+        elapsed = min(_elapsed(run, now_s), run.plan.total_s)
+        if elapsed >= run.plan.total_s - _EPS_S:
+            return now_s  # done by now: its completion is due, nothing to stall
+        begin = now_s
+        if at_next_checkpoint:
+            checkpoint = run.plan.next_checkpoint_s(elapsed)
+            if checkpoint is None or checkpoint >= run.plan.total_s - _EPS_S:
+                return now_s + max(0.0, run.started_s - now_s) + run.plan.total_s - elapsed
+            begin = now_s + max(0.0, run.started_s - now_s) + max(0.0, checkpoint - elapsed)
+        run.done_s = min(_elapsed(run, begin), run.plan.total_s)
+        run.started_s = max(begin, run.started_s) + delay_s
+        run.token += 1
+        return begin
 
     def cancel(self, task: Task) -> None:
         raise NotImplementedError("the simulator issues no cancellations")
@@ -161,7 +201,7 @@ class SimulatedPool:
         run = self._run(task)
         elapsed = run.done_s
         if run.started_s is not None:
-            elapsed += self.now_s - run.started_s
+            elapsed = _elapsed(run, self.now_s)
             elapsed = last_checkpoint_s(run.plan, min(elapsed, run.plan.total_s))
         return run.plan.progress(elapsed)
 
