@@ -110,5 +110,6 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "result.json").read_text())
     assert set(doc["curves"]) == {"vllm-cp2k", "flowprefill", "flowprefill-da"}
     assert len(doc["curves"]["flowprefill"]["tbt"]) == len(doc["rates"]) == 2
-    assert doc["summary"]["flowprefill_ttft_ge_at_every_rate"] is True
+    assert doc["summary"]["flowprefill_vs_vllm-cp2k_ttft_ge_at_every_rate"] is True
+    assert set(doc["tight_curves"]) == {"flowprefill", "flowprefill-da"}
     assert (tmp_path / "fig16_colocated.png").stat().st_size > 0
