@@ -46,7 +46,7 @@ from flowprefill.gateway.relay import EventStreamResponse, Relay, models_body
 from flowprefill.gateway.routing import HealthProber, InstancePool
 from flowprefill.gateway.tokens import Tokenizer
 from flowprefill.gateway.upstream import DecodeClient, PrefillClient
-from flowprefill.web.disconnect import ClientDisconnected, unless_disconnected
+from flowprefill.web.disconnect import ClientDisconnected, DisconnectWatch, unless_disconnected
 from flowprefill.web.errors import error_response, install_error_handlers
 from flowprefill.web.probes import add_probe_routes
 from flowprefill.web.sse import MEDIA_TYPE
@@ -159,13 +159,22 @@ def create_gateway_app(state: GatewayState) -> GatewayApp:
     async def _answer(
         request: Request, job: Job, headers: dict[str, str]
     ) -> JSONResponse | EventStreamResponse:
-        answer = await unless_disconnected(request, prefill.run(job))
-        first_text = state.tokenizer.decode_token(answer.first_token_id)
-        pieces = decode.continuation(job, answer)
-        if job.body.stream:
-            events = relay.stream(job, first_text, pieces)
-            return EventStreamResponse(events, media_type=MEDIA_TYPE, headers=headers)
-        return JSONResponse(await relay.collect(job, first_text, pieces), headers=headers)
+        # One watch for the client leaving, from the wait for the first token to the
+        # stream's end (the response closes it); closed here when no stream follows.
+        watch: DisconnectWatch | None = DisconnectWatch(request.receive)
+        try:
+            answer = await unless_disconnected(request, prefill.run(job), watch)
+            first_text = state.tokenizer.decode_token(answer.first_token_id)
+            pieces = decode.continuation(job, answer)
+            if job.body.stream:
+                events = relay.stream(job, first_text, pieces)
+                response = EventStreamResponse(events, media_type=MEDIA_TYPE, headers=headers)
+                response.watch, watch = watch, None
+                return response
+            return JSONResponse(await relay.collect(job, first_text, pieces), headers=headers)
+        finally:
+            if watch is not None:
+                watch.close()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:

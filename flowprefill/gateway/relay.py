@@ -29,6 +29,7 @@ from flowprefill.gateway.classify import Job
 from flowprefill.gateway.decode import Piece
 from flowprefill.gateway.errors import GatewayError
 from flowprefill.gateway.metrics import GatewayMetrics
+from flowprefill.web.disconnect import DisconnectWatch
 from flowprefill.web.errors import error_body
 from flowprefill.web.sse import DONE
 
@@ -110,35 +111,38 @@ class EventStreamResponse(StreamingResponse):
     Starlette (under uvicorn's ASGI 2.3) runs an anyio task group of two per response; and
     the event that ends with ``[DONE]`` is sent with the body's end, one write less."""
 
+    watch: DisconnectWatch | None = None
+    """The request's disconnect watch, when it has one already (it is closed at the end);
+    None: one of the response's own."""
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
+        watch = self.watch if self.watch is not None else DisconnectWatch(receive)
+        if watch.gone:  # left before the answer started: nothing to send
+            watch.close()
+            await self._close_body()
+            return
+        watch.follow(task)
         try:
             try:
                 await self._send_all(send)
             finally:
-                watcher.cancel()
-                # Closes the events' generator (and so decode) when it did not end by itself.
-                aclose = getattr(self.body_iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+                watch.close()
+                await self._close_body()
         except asyncio.CancelledError:
             # Ours (the client left), not the server's: the answer is over, nothing to send.
-            if gone and task.uncancel() == 0:
+            if watch.gone and task.uncancel() == 0:
                 return
             raise
         if self.background is not None:
             await self.background()
+
+    async def _close_body(self) -> None:
+        """Close the events' generator (and so decode) when it did not end by itself."""
+        aclose = getattr(self.body_iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
     async def _send_all(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code}

@@ -296,6 +296,13 @@ async def _streamed_handoff(
     return ref
 
 
+def _known_none(pending: asyncio.Task[DecodeKV | None] | None) -> bool:
+    """A streamed hand-off already read, that named none."""
+    if pending is None or not pending.done() or pending.cancelled():
+        return False
+    return pending.exception() is None and pending.result() is None
+
+
 class PrefillClient:
     def __init__(self, http: UpstreamHTTP) -> None:
         self.http = http
@@ -333,6 +340,8 @@ class PrefillClient:
         not at ``source``, the KV listener (``http`` transport) only decode may reach —
         instead of leaving it to prefill's age sweep, so it does not fill the disk. In the
         background; a failure only leaves the file to the sweep."""
+        if _known_none(answer.kv_pending):
+            return  # prefill wrote nothing (decode recomputes): no task for nothing
         _in_background(asyncio.create_task(self._release(answer)))
 
     async def _release(self, answer: PrefillAnswer) -> None:

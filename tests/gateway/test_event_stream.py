@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from flowprefill.gateway.relay import EventStreamResponse
+from flowprefill.web.disconnect import DisconnectWatch
 from flowprefill.web.sse import DONE, MEDIA_TYPE
 
 SCOPE: dict[str, Any] = {"type": "http", "asgi": {"spec_version": "2.3"}}
@@ -90,3 +91,85 @@ def test_a_server_cancellation_is_not_swallowed() -> None:
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(scenario())
+
+
+def test_a_client_gone_before_the_stream_gets_nothing_and_its_events_are_closed() -> None:
+    """The request's watch (made while it waited for its first token) saw the client
+    leave: the response sends nothing and closes the events (so decode never starts)."""
+    closed: list[str] = []
+
+    async def scenario() -> list[MutableMapping[str, Any]]:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.disconnect"}
+
+        watch = DisconnectWatch(receive)
+        watch.follow(asyncio.current_task())
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.sleep(1)  # the watcher cancels the waiting task...
+        task = asyncio.current_task()
+        assert task is not None and task.uncancel() == 0
+        watch.follow(None)  # ...and follows nobody until the response takes over
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield "data: {}\n\n"
+            finally:
+                closed.append("closed")
+
+        sent: list[MutableMapping[str, Any]] = []
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(message)
+
+        response = EventStreamResponse(events(), media_type=MEDIA_TYPE)
+        response.watch = watch
+        await response(SCOPE, receive, send)
+        return sent
+
+    assert asyncio.run(scenario()) == []
+    assert closed == []  # closed before it started: no event was made
+
+
+def test_a_stream_follows_on_with_the_request_s_watch() -> None:
+    """One watcher for the request: the stream's sender is cancelled by the watch that
+    followed the wait for the first token."""
+    closed: list[str] = []
+
+    async def scenario() -> list[MutableMapping[str, Any]]:
+        gone = asyncio.Event()
+        reads = 0
+
+        async def receive() -> dict[str, Any]:
+            nonlocal reads
+            reads += 1
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        watch = DisconnectWatch(receive)
+        watch.follow(asyncio.current_task())
+        await asyncio.sleep(0.01)  # the wait for the first token
+        watch.follow(None)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield "data: {}\n\n"
+                gone.set()
+                await asyncio.Event().wait()
+                yield "data: never\n\n"
+            finally:
+                closed.append("closed")
+
+        sent: list[MutableMapping[str, Any]] = []
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(message)
+
+        response = EventStreamResponse(events(), media_type=MEDIA_TYPE)
+        response.watch = watch
+        await asyncio.wait_for(response(SCOPE, receive, send), 5)
+        assert reads == 1  # one watcher, one pending read
+        return sent
+
+    sent = asyncio.run(scenario())
+    assert closed == ["closed"]
+    assert [m.get("body") for m in sent[1:]] == [b"data: {}\n\n"]

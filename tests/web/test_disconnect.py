@@ -5,12 +5,13 @@ cancellation, and the caller's task is left with no cancellation pending."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 import pytest
 from starlette.requests import Request
 
-from flowprefill.web.disconnect import ClientDisconnected, unless_disconnected
+from flowprefill.web.disconnect import ClientDisconnected, DisconnectWatch, unless_disconnected
 
 
 def _request(leave: asyncio.Event) -> Request:
@@ -78,3 +79,22 @@ async def test_a_cancellation_from_elsewhere_is_not_a_disconnect() -> None:
     with pytest.raises(asyncio.CancelledError):
         await served
     assert work.cancelled
+
+
+async def test_a_shared_watch_is_left_running_and_a_gone_one_refuses_at_once() -> None:
+    work, leave = Work(), asyncio.Event()
+    work.release.set()
+    request = _request(leave)
+    watch = DisconnectWatch(request.receive)
+    assert await unless_disconnected(request, work(), watch) == "done"
+    leave.set()  # the client leaves after the work: seen, nobody cancelled
+    await asyncio.sleep(0.01)
+    task = asyncio.current_task()
+    assert watch.gone and task is not None and task.cancelling() == 0
+    late = Work()
+    coroutine = late()
+    with pytest.raises(ClientDisconnected):
+        await unless_disconnected(request, coroutine, watch)
+    assert inspect.getcoroutinestate(coroutine) == "CORO_CLOSED"  # no "never awaited"
+    assert not late.started.is_set()
+    watch.close()
