@@ -106,26 +106,47 @@ def _encode_json(body: dict[str, Any] | bytes) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
-async def _sse_data(lines: AsyncIterator[str]) -> AsyncGenerator[str, None]:
-    """The payloads of an SSE stream's ``data:`` lines, up to ``[DONE]``.
+async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncGenerator[str, None]:
+    """The payloads of an SSE stream's ``data:`` lines, up to ``[DONE]``, from the body's
+    chunks: lines split at ``\\n``, ``\\r\\n`` or ``\\r`` (as SSE allows), without a limit on
+    their length. (One generator from bytes to payloads: every line passed up a generator
+    of its own — blank lines included — cost more than parsing it.)
 
     After ``[DONE]`` the rest of the body (its chunked-encoding end) is read, so the
     connection goes back to the pool: a response left unfinished closes its connection,
     and the next request would pay for a new one. Bounded: an upstream that keeps the
     stream open after ``[DONE]`` only loses its connection."""
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            try:
-                async with asyncio.timeout(DRAIN_TIMEOUT_S):
-                    async for _ in lines:
-                        pass
-            except TimeoutError:
+    buf = b""
+    async for data in chunks:
+        buf += data
+        if b"\r" in buf:
+            if buf.endswith(b"\r"):  # maybe the first half of a \r\n
+                continue
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *complete, buf = buf.split(b"\n")
+        for line in complete:
+            if line.startswith(b"data:"):
+                payload = line[5:].decode("utf-8", errors="replace").strip()
+                if payload == "[DONE]":
+                    await _drain(chunks)
+                    return
+                yield payload
+    for line in buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
+        if line.startswith(b"data:"):
+            payload = line[5:].decode("utf-8", errors="replace").strip()
+            if payload == "[DONE]":
+                return
+            yield payload
+
+
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    """Read the rest of a body, for at most :data:`DRAIN_TIMEOUT_S`."""
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async for _ in chunks:
                 pass
-            return
-        yield payload
+    except TimeoutError:
+        pass
 
 
 class UpstreamHTTP:
@@ -182,7 +203,7 @@ class UpstreamHTTP:
             async with self.client().request("POST", url, _encode_json(body), _json(headers)) as r:
                 if r.status >= 400:
                     raise _status_error(role, r.status, await r.read())
-                async with aclosing(_sse_data(_lines(r.chunks()))) as payloads:
+                async with aclosing(_sse_data(r.chunks())) as payloads:
                     async for payload in payloads:
                         yield payload
         except (OSError, http1.ConnectionLost) as e:
@@ -202,26 +223,6 @@ class UpstreamHTTP:
         if self._client is not None and self._loop is asyncio.get_running_loop():
             self._client.close()
         self._client = None
-
-
-async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """Lines of a streamed body, split at ``\\n``, ``\\r\\n`` or ``\\r`` (as SSE allows),
-    without a limit on line length."""
-    buf = b""
-    async for data in chunks:
-        buf += data
-        if b"\r" in buf:
-            if buf.endswith(b"\r"):  # maybe the first half of a \r\n
-                continue
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *complete, buf = buf.split(b"\n")
-        for line in complete:
-            yield line.decode("utf-8", errors="replace")
-    if buf:
-        buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        for line in buf.split(b"\n"):
-            if line:
-                yield line.decode("utf-8", errors="replace")
 
 
 def _json(headers: dict[str, str]) -> dict[str, str]:
