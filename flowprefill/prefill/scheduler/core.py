@@ -290,6 +290,15 @@ class Scheduler:
         entry, so this keeps at least the leader."""
         if len(batch) == 1:
             return batch
+        if self._batch_key(batch, now_s) <= self.sort_key(batch[0], now_s):
+            # The leader ranks first of every runnable entry, so the whole batch ranking
+            # no lower does too: nothing would be trimmed (the usual case: a batch that
+            # keeps its leader feasible keeps its key), and no outside entry is looked up.
+            return batch
+        return self._trimmed(batch, self._best_outside(batch, now_s), now_s)
+
+    def _batch_key(self, batch: list[Request], now_s: float) -> SortKey:
+        """The key of a task of ``batch``: its leader's deadline, the whole batch's time."""
         leader = batch[0]
         whole = RankInput(
             leader.deadline_s,
@@ -297,12 +306,7 @@ class Scheduler:
             self.predict_s(sum(r.num_tokens for r in batch)),
             leader.seq,
         )
-        if self.policy.sort_key(whole, now_s) <= self.sort_key(leader, now_s):
-            # The leader ranks first of every runnable entry, so the whole batch ranking
-            # no lower does too: nothing would be trimmed (the usual case: a batch that
-            # keeps its leader feasible keeps its key), and no outside entry is looked up.
-            return batch
-        return self._trimmed(batch, self._best_outside(batch, now_s), now_s)
+        return self.policy.sort_key(whole, now_s)
 
     def _trimmed(
         self, batch: list[Request], best_outside: SortKey | None, now_s: float
@@ -311,14 +315,7 @@ class Scheduler:
         ``best_outside`` (the smallest key left outside it), the leader always kept."""
         kept = list(batch)
         while len(kept) > 1 and best_outside is not None:
-            leader = kept[0]
-            rank = RankInput(
-                leader.deadline_s,
-                leader.arrival_s,
-                self.predict_s(sum(r.num_tokens for r in kept)),
-                leader.seq,
-            )
-            if self.policy.sort_key(rank, now_s) <= best_outside:
+            if self._batch_key(kept, now_s) <= best_outside:
                 break
             dropped = kept.pop()
             best_outside = min(best_outside, self.sort_key(dropped, now_s))
