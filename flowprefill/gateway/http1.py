@@ -242,6 +242,11 @@ class Response:
         self._conn = conn
         self.status = conn.status
 
+    @property
+    def received(self) -> bool:
+        """The whole body has arrived: reading what is left of it never waits."""
+        return self._conn.complete
+
     async def chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
         while True:

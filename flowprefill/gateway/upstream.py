@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -106,7 +106,9 @@ def _encode_json(body: dict[str, Any] | bytes) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
-async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncGenerator[str, None]:
+async def _sse_data(
+    chunks: AsyncIterator[bytes], received: Callable[[], bool] | None = None
+) -> AsyncGenerator[str, None]:
     """The payloads of an SSE stream's ``data:`` lines, up to ``[DONE]``, from the body's
     chunks: lines split at ``\\n``, ``\\r\\n`` or ``\\r`` (as SSE allows), without a limit on
     their length. (One generator from bytes to payloads: every line passed up a generator
@@ -115,7 +117,9 @@ async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncGenerator[str, None]:
     After ``[DONE]`` the rest of the body (its chunked-encoding end) is read, so the
     connection goes back to the pool: a response left unfinished closes its connection,
     and the next request would pay for a new one. Bounded: an upstream that keeps the
-    stream open after ``[DONE]`` only loses its connection."""
+    stream open after ``[DONE]`` only loses its connection. ``received``: True once the
+    whole body has arrived (usually with ``[DONE]``): the rest is then read without the
+    bound, which could never be reached (one timer less per stream)."""
     buf = b""
     async for data in chunks:
         buf += data
@@ -128,7 +132,7 @@ async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncGenerator[str, None]:
             if line.startswith(b"data:"):
                 payload = line[5:].decode("utf-8", errors="replace").strip()
                 if payload == "[DONE]":
-                    await _drain(chunks)
+                    await _drain(chunks, received is not None and received())
                     return
                 yield payload
     for line in buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
@@ -139,8 +143,13 @@ async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncGenerator[str, None]:
             yield payload
 
 
-async def _drain(chunks: AsyncIterator[bytes]) -> None:
-    """Read the rest of a body, for at most :data:`DRAIN_TIMEOUT_S`."""
+async def _drain(chunks: AsyncIterator[bytes], received: bool = False) -> None:
+    """Read the rest of a body, for at most :data:`DRAIN_TIMEOUT_S`; ``received``: it has
+    all arrived (nothing to wait for, so no timer)."""
+    if received:
+        async for _ in chunks:
+            pass
+        return
     try:
         async with asyncio.timeout(DRAIN_TIMEOUT_S):
             async for _ in chunks:
@@ -203,7 +212,7 @@ class UpstreamHTTP:
             async with self.client().request("POST", url, _encode_json(body), _json(headers)) as r:
                 if r.status >= 400:
                     raise _status_error(role, r.status, await r.read())
-                async with aclosing(_sse_data(r.chunks())) as payloads:
+                async with aclosing(_sse_data(r.chunks(), lambda: r.received)) as payloads:
                     async for payload in payloads:
                         yield payload
         except (OSError, http1.ConnectionLost) as e:

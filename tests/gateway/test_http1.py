@@ -216,3 +216,26 @@ async def test_errors(serve: Start) -> None:
     with pytest.raises(ValueError, match="invalid header"):
         c.request("POST", url, b"", {"x-a": "1\r\nx-injected: 2"})
     c.close()
+
+
+async def test_received_says_when_the_whole_body_has_arrived(serve: Start) -> None:
+    go = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n")
+        await go.wait()
+        writer.write(b"2\r\ncd\r\n0\r\n\r\n")
+        await reader.read()
+
+    server, url = await serve(handler)
+    c = client()
+    async with c.request("POST", url, b"", {}) as r:
+        chunks = r.chunks()
+        assert await anext(chunks) == b"ab"
+        assert not r.received  # the rest is still to come
+        go.set()
+        assert await anext(chunks) == b"cd"
+        assert r.received  # the end came with it: what is left never waits
+        assert [chunk async for chunk in chunks] == []
+    c.close()

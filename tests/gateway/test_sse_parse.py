@@ -4,6 +4,7 @@ the rest of the body is read (so the connection can be reused)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -39,3 +40,35 @@ async def test_payloads_whatever_the_chunking(size: int) -> None:
 async def test_a_last_line_without_its_newline_still_counts() -> None:
     assert (await _payloads([b"data: 1\n\ndata: 2"]))[0] == ["1", "2"]
     assert (await _payloads([b"data: 1\n\ndata: [DONE]"]))[0] == ["1"]
+
+
+@pytest.mark.parametrize("received", [None, False, True])
+async def test_the_drain_needs_no_timer_once_the_body_has_arrived(
+    received: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After ``[DONE]`` the rest is read all the same; the bound on the wait for it (a timer)
+    is set only when the body may still be coming."""
+    from flowprefill.gateway import upstream
+
+    timers = 0
+    real = upstream.asyncio.timeout
+
+    def counted(delay: float | None) -> asyncio.Timeout:
+        nonlocal timers
+        timers += 1
+        return real(delay)
+
+    monkeypatch.setattr(upstream.asyncio, "timeout", counted)
+    read = 0
+    chunks = [b"data: 1\n\ndata: [DONE]\n\n", b"0\r\n", b"\r\n"]
+
+    async def source() -> AsyncIterator[bytes]:
+        nonlocal read
+        for chunk in chunks:
+            read += 1
+            yield chunk
+
+    flag = None if received is None else (lambda: received)
+    assert [p async for p in _sse_data(source(), flag)] == ["1"]
+    assert read == len(chunks)  # drained to the end either way
+    assert timers == (0 if received else 1)
