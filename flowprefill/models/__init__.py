@@ -14,6 +14,7 @@ from flowprefill.models.loader import (
     default_cache_dir,
     load_model,
     named_model_dir,
+    named_model_dir_name,
     resolve_model_path,
     save_model_dir,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "load_model",
     "model_names",
     "named_model_dir",
+    "named_model_dir_name",
     "parse_name",
     "resolve_model_path",
     "save_model_dir",

@@ -19,7 +19,13 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from flowprefill.contracts.deployment import MODEL_CACHE_ENV
 from flowprefill.errors import UnknownNameError
 from flowprefill.models.builders import build_named, model_names, parse_name
-from flowprefill.models.tokenizer import CHAT_TEMPLATE, IM_END, special_token_ids, train_tokenizer
+from flowprefill.models.tokenizer import (
+    CHAT_TEMPLATE,
+    IM_END,
+    TOKENIZER_FORMAT,
+    special_token_ids,
+    train_tokenizer,
+)
 
 CACHE_ENV = MODEL_CACHE_ENV
 
@@ -80,13 +86,24 @@ def _rmtree(path: Path) -> None:
     path.rmdir()
 
 
+def named_model_dir_name(name: str, seed: int = 0) -> str:
+    """The cache directory name of a named model: ``{name}-seed{seed}-tok{format}``.
+
+    The tokenizer format (:data:`~flowprefill.models.tokenizer.TOKENIZER_FORMAT`) is part
+    of it so a model cached with an older built-in tokenizer is never reused by name (it
+    still loads when passed by path).
+    """
+    return f"{name}-seed{seed}-tok{TOKENIZER_FORMAT}"
+
+
 def named_model_dir(
     name: str, seed: int = 0, cache_dir: str | os.PathLike[str] | None = None
 ) -> Path:
-    """Directory of the named tiny model, building and saving it on first use."""
+    """Directory of the named tiny model (``cache_dir / named_model_dir_name(name, seed)``),
+    building and saving it on first use."""
     parse_name(name)  # raises UnknownNameError early
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = root / f"{name}-seed{seed}"
+    path = root / named_model_dir_name(name, seed)
     if not (path / "config.json").exists():
         save_model_dir(build_named(name, seed=seed), path)
     return path

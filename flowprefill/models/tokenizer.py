@@ -1,27 +1,43 @@
-"""A locally trained byte-level BPE tokenizer whose vocabulary matches the model exactly.
+"""A character-level tokenizer whose vocabulary matches the built-in models' exactly.
 
-vLLM (and ``AutoTokenizer``) load the saved directory like any Hugging Face checkpoint. The
-vocabulary must have exactly the model's ``vocab_size`` entries, otherwise text decoded from
-ids the tokenizer does not know comes out empty. The built-in corpus is too small for the BPE
-trainer to learn tens of thousands of merges, so the remaining ids are filled with
-*decode-only* tokens: concatenations of learned tokens. The encoder never produces them (no
-merge leads there), but the byte-level decoder turns them into readable text, so a random
-model's output decodes to word salad rather than to nothing.
+Every id is a special token or one character, so text and ids convert both ways without
+loss, which a benchmark client needs for a *random* model's output:
+
+- each id decodes to text that encodes back to that id (special tokens when they are not
+  skipped on decode);
+- any sequence of non-special ids decodes to text that encodes back to the same sequence
+  (unless the text happens to spell a special token such as ``<|im_end|>``, which every
+  Hugging Face tokenizer encodes as the special token). A tokenizer with multi-character
+  tokens cannot promise this (``"Ġthe" + "re"`` re-encodes as ``"Ġthere"``), and clients such
+  as aiperf count output tokens by encoding the joined stream text.
+
+Layout: ids 0-3 are ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and ``<unk>``; then
+single characters in a fixed order taken from explicit code-point ranges that have been
+fully assigned since old Unicode versions (so the vocabulary never depends on Python's
+``unicodedata``), cut at exactly ``vocab_size``. A character outside the vocabulary (``\\r``,
+an emoji, a CJK ideograph past the cut...) encodes to ``<unk>`` (one per character): it does
+not vanish silently, but it does not come back on decode either.
+
+Saved with the ``tokenizers`` library (a BPE model over single characters without merges,
+no pre-tokenizer, a decoder that concatenates), so
+``AutoTokenizer``, vLLM and the gateway load the directory like any Hugging Face checkpoint.
 """
 
 from __future__ import annotations
 
-import json
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
-
-from flowprefill.models.corpus import corpus_lines
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in that order
+UNK = "<unk>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, UNK)  # ids 0, 1, 2, 3 in that order
+
+TOKENIZER_FORMAT = 2
+"""Bumped whenever the built-in tokenizer's ids change (1: byte-level BPE on a built-in
+corpus; 2: characters). Part of the named-model cache directory's name, so a model cached
+with an older tokenizer is never silently reused."""
 
 # ChatML, as Qwen models use it.
 CHAT_TEMPLATE = (
@@ -31,64 +47,76 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-MIN_VOCAB_SIZE = 512  # 256 byte symbols + specials + room for some merges
+# Inclusive code-point ranges, in vocabulary order. All fully assigned since Unicode 1.1
+# (Hangul syllables since 2.0); the two holes listed in _EXCLUDED are not characters one
+# wants (U+00AD soft hyphen is invisible; U+03A2 is unassigned).
+_CHAR_RANGES: tuple[tuple[int, int], ...] = (
+    (0x0020, 0x007E),  # ASCII printable
+    (0x00A1, 0x00FF),  # Latin-1 Supplement (no NBSP)
+    (0x0100, 0x017F),  # Latin Extended-A
+    (0x0391, 0x03A9),  # Greek capitals
+    (0x03B1, 0x03C9),  # Greek smalls
+    (0x0410, 0x044F),  # Cyrillic basic
+    (0x3041, 0x3096),  # Hiragana
+    (0x30A1, 0x30FA),  # Katakana
+    (0x4E00, 0x9FA5),  # CJK Unified Ideographs (Unicode 1.1 block)
+    (0xAC00, 0xD7A3),  # Hangul syllables
+)
+_EXCLUDED = frozenset({0x00AD, 0x03A2})
+
+MIN_VOCAB_SIZE = 512  # the specials, ASCII, Latin, Greek, Cyrillic and some kana
+
+
+def _characters() -> list[str]:
+    chars = ["\n", "\t"]
+    for first, last in _CHAR_RANGES:
+        chars.extend(chr(c) for c in range(first, last + 1) if c not in _EXCLUDED)
+    return chars
+
+
+MAX_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(_characters())
 
 
 def special_token_ids() -> dict[str, int]:
     return {token: index for index, token in enumerate(SPECIAL_TOKENS)}
 
 
-def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on the built-in corpus; exactly ``vocab_size`` ids.
+def vocabulary(vocab_size: int) -> list[str]:
+    """The ``vocab_size`` tokens, index = id; ValueError outside the supported sizes."""
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size must be between {MIN_VOCAB_SIZE} and {MAX_VOCAB_SIZE}, got {vocab_size}"
+        )
+    return [*SPECIAL_TOKENS, *_characters()[: vocab_size - len(SPECIAL_TOKENS)]]
 
-    Deterministic: the same ``vocab_size`` always yields the same tokenizer.
+
+def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """The character-level tokenizer with exactly ``vocab_size`` ids.
+
+    Deterministic: the same ``vocab_size`` always yields the same tokenizer (nothing is
+    learned; the name is kept from the BPE this replaced). ValueError for a size outside
+    ``MIN_VOCAB_SIZE``..``MAX_VOCAB_SIZE``.
     """
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(corpus_lines(), trainer=trainer)
-    raw = _fill_vocab(raw, vocab_size)
+    tokens = vocabulary(vocab_size)
+    # A BPE without merges splits its input into characters and looks each one up (an
+    # unknown one becomes one <unk>). No pre-tokenizer: the model already works per
+    # character, and a pre-tokenizer isolating characters (or a WordLevel model behind
+    # one) makes encoding ~3x slower.
+    vocab = {token: index for index, token in enumerate(tokens)}
+    raw = Tokenizer(models.BPE(vocab, [], unk_token=UNK))
+    # Without a decoder, tokenizers joins tokens with spaces.
+    raw.decoder = decoders.Fuse()
+    raw.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
-        unk_token=None,
+        unk_token=UNK,
         model_max_length=1 << 30,
+        # transformers' clean-up would rewrite " ." to "." and break the round trip.
+        clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     if len(tokenizer) != vocab_size:  # an invariant, not a user error
         raise AssertionError(f"tokenizer has {len(tokenizer)} ids, wanted {vocab_size}")
     return tokenizer
-
-
-def _fill_vocab(raw: Tokenizer, vocab_size: int) -> Tokenizer:
-    """Append decode-only tokens (pairs of learned tokens) until the vocab is full."""
-    state = json.loads(raw.to_str())
-    vocab: dict[str, int] = state["model"]["vocab"]
-    missing = vocab_size - len(vocab)
-    if missing <= 0:
-        return raw
-    specials = set(SPECIAL_TOKENS)
-    # Prefer word-like pieces (those starting with the byte-level space marker) so the
-    # filler decodes to plausible text; order by id for determinism.
-    pieces = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if t not in specials]
-    words = [t for t in pieces if t.startswith("Ġ") and len(t) > 2] or pieces
-    next_id = len(vocab)
-    for first in words:
-        for second in words:
-            candidate = first + second
-            if candidate in vocab:
-                continue
-            vocab[candidate] = next_id
-            next_id += 1
-            if next_id == vocab_size:
-                return Tokenizer.from_str(json.dumps(state))
-    raise AssertionError("corpus too small to fill the vocabulary")  # 100s² pairs suffice

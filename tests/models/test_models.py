@@ -1,4 +1,4 @@
-"""Tiny model builders, the locally trained tokenizer, and standard-format save/load."""
+"""Tiny model builders and standard-format save/load (the tokenizer: test_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from flowprefill.errors import UnknownNameError
 from flowprefill.models import (
@@ -18,10 +19,12 @@ from flowprefill.models import (
     load_model,
     model_names,
     named_model_dir,
+    named_model_dir_name,
     parse_name,
+    resolve_model_path,
     save_model_dir,
-    train_tokenizer,
 )
+from flowprefill.models.tokenizer import TOKENIZER_FORMAT
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -62,24 +65,6 @@ def test_names() -> None:
         build_config("gpt2")
 
 
-def test_tokenizer_vocab_is_exact_and_round_trips() -> None:
-    tokenizer = train_tokenizer(32000)
-    assert len(tokenizer) == 32000
-    text = "Hello world! The prefill of 4096 tokens took 0.7 s."
-    ids = tokenizer(text)["input_ids"]
-    assert tokenizer.decode(ids) == text
-    assert max(ids) < 32000
-    # Every id decodes to something (the decode-only filler too), so text is never empty.
-    assert tokenizer.decode([31999]) != ""
-    assert tokenizer.convert_ids_to_tokens([0, 1, 2]) == [
-        "<|endoftext|>",
-        "<|im_start|>",
-        "<|im_end|>",
-    ]
-    with pytest.raises(ValueError):
-        train_tokenizer(100)
-
-
 def test_saved_directory_loads_offline_with_auto_classes(tmp_path: Path) -> None:
     model = build_model("qwen2", seed=4)
     path = save_model_dir(model, tmp_path / "m")
@@ -105,6 +90,9 @@ def test_saved_directory_loads_offline_with_auto_classes(tmp_path: Path) -> None
 
 def test_load_model_by_name_builds_once_and_caches(tmp_path: Path) -> None:
     path = named_model_dir("tiny-llama", cache_dir=tmp_path)
+    assert (
+        path == tmp_path / "tiny-llama-seed0-tok2" == tmp_path / named_model_dir_name("tiny-llama")
+    )
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     model = load_model("tiny-llama", cache_dir=tmp_path)
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rebuilt
@@ -118,3 +106,39 @@ def test_load_model_by_name_builds_once_and_caches(tmp_path: Path) -> None:
     assert by_path.dtype == torch.bfloat16
     with pytest.raises(UnknownNameError, match="model \\(name or local directory\\)"):
         load_model(tmp_path / "missing")
+
+
+def _save_byte_level_bpe_model(path: Path) -> None:
+    """A model directory as saved before TOKENIZER_FORMAT 2: a byte-level BPE tokenizer."""
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(["the old tokenizer merged the words", "hello there"] * 20, trainer)
+    old = PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    old.save_pretrained(path)
+    build_model("llama", seed=0).save_pretrained(path)
+
+
+def test_an_old_format_dir_loads_by_path_and_is_not_reused_by_name(tmp_path: Path) -> None:
+    old_dir = tmp_path / "tiny-llama-seed0"  # the cache name before the tokenizer format
+    _save_byte_level_bpe_model(old_dir)
+    assert resolve_model_path(old_dir) == old_dir
+    model = load_model(old_dir)
+    assert model.config.vocab_size == 2048
+    old = AutoTokenizer.from_pretrained(old_dir, local_files_only=True)
+    assert old.decode(old("hello there")["input_ids"]) == "hello there"
+    assert len(old("hello there")["input_ids"]) < len("hello there")  # merges: not chars
+    # By name, the cache builds a new directory with the current tokenizer.
+    new_dir = named_model_dir("tiny-llama", cache_dir=tmp_path)
+    assert new_dir != old_dir and new_dir.name.endswith(f"-tok{TOKENIZER_FORMAT}")
+    new = AutoTokenizer.from_pretrained(new_dir, local_files_only=True)
+    assert new("hello there")["input_ids"] == new.convert_tokens_to_ids(list("hello there"))
+    assert (old_dir / "tokenizer.json").exists()  # the old one is left alone
