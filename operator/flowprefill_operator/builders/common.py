@@ -93,20 +93,26 @@ def configmap(meta: dict[str, Any], data: dict[str, str]) -> Manifest:
 def http_probes(port: str, process: ProcessSpec, *, startup_s: int) -> dict[str, Any]:
     """Liveness on the process's health path, readiness on its ready path; a startup probe
     covers model loading."""
+    return probes_at(port, process.health_path, process.ready_path, startup_s=startup_s)
+
+
+def probes_at(port: str, health_path: str, ready_path: str, *, startup_s: int) -> dict[str, Any]:
+    """:func:`http_probes` on given paths (a colocated pod's launcher answers for both of
+    its processes)."""
     return {
         "startupProbe": {
-            "httpGet": {"path": process.health_path, "port": port},
+            "httpGet": {"path": health_path, "port": port},
             "periodSeconds": 10,
             "failureThreshold": max(1, startup_s // 10),
         },
         "livenessProbe": {
-            "httpGet": {"path": process.health_path, "port": port},
+            "httpGet": {"path": health_path, "port": port},
             "periodSeconds": 10,
             "timeoutSeconds": 5,
             "failureThreshold": 3,
         },
         "readinessProbe": {
-            "httpGet": {"path": process.ready_path, "port": port},
+            "httpGet": {"path": ready_path, "port": port},
             "periodSeconds": 5,
             "timeoutSeconds": 3,
             "failureThreshold": 2,

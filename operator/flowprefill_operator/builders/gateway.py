@@ -6,8 +6,10 @@ from typing import Any
 
 from flowprefill.contracts import Endpoint, GatewayConfig, SLOTable
 from flowprefill.contracts.deployment import (
+    DECODE_PORT,
     GATEWAY_CONFIG_PATH,
     GATEWAY_PORT,
+    PREFILL_PORT,
     SLO_DIR,
     SLO_TABLE_FILE,
 )
@@ -42,7 +44,7 @@ from .gateway_ha import (
 )
 from .model import tokenizer_dir, tokenizer_parts
 from .overlay import apply_pod_overlay
-from .pool import IMAGE, pool_port
+from .pool import IMAGE
 
 
 def gateway_name(service: str) -> str:
@@ -75,9 +77,9 @@ def gateway_command() -> ProcessSpec:
 def build_gateway_config(pools: list[PoolRef], settings: OperatorSettings) -> GatewayConfig:
     first = pools[0]
 
-    def endpoint(pool: PoolRef) -> Endpoint:
+    def endpoint(pool: PoolRef, port: int) -> Endpoint:
         host = f"{pool_workload_name(pool.name)}.{pool.namespace}.svc.{settings.cluster_domain}"
-        return Endpoint.at(pool.name, host, pool_port(pool.spec))
+        return Endpoint.at(pool.name, host, port)
 
     ordered = sorted(pools, key=lambda p: p.name)
     return GatewayConfig(
@@ -86,15 +88,17 @@ def build_gateway_config(pools: list[PoolRef], settings: OperatorSettings) -> Ga
         tokenizer_path=tokenizer_dir(tokenizer_pool(pools).spec.model),
         model_name=next((p.spec.model.name for p in ordered if p.spec.model.name), None)
         or first.spec.service,
-        prefill=[endpoint(p) for p in ordered if p.spec.role == "prefill"],
-        decode=[endpoint(p) for p in ordered if p.spec.role == "decode"],
+        # A colocated pool is in both lists, on its two ports (one Service, one name).
+        prefill=[endpoint(p, PREFILL_PORT) for p in ordered if p.spec.runs_prefill],
+        decode=[endpoint(p, DECODE_PORT) for p in ordered if p.spec.runs_decode],
     )
 
 
 def tokenizer_pool(pools: list[PoolRef]) -> PoolRef:
-    """The pool whose model source gives the gateway its tokenizer (a prefill pool)."""
+    """The pool whose model source gives the gateway its tokenizer (a prefill or colocated
+    pool)."""
     ordered = sorted(pools, key=lambda p: p.name)
-    return next((p for p in ordered if p.spec.role == "prefill"), ordered[0])
+    return next((p for p in ordered if p.spec.runs_prefill), ordered[0])
 
 
 def _owners(pools: list[PoolRef]) -> list[dict[str, Any]]:

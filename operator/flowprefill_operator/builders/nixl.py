@@ -29,6 +29,7 @@ from ..models.kvhandoff import NixlHandoff
 from .model import model_dir
 
 NIXL_PORT_NAME = "nixl"
+NIXL_DECODE_PORT_NAME = "nixl-decode"
 IPC_LOCK = "IPC_LOCK"
 
 
@@ -43,8 +44,9 @@ def _nixl(spec: ServingPoolSpec) -> NixlHandoff:
 
 
 def side_channel_port(spec: ServingPoolSpec) -> int:
-    """The pod's NIXL handshake port: prefill's (decode connects to it) or decode's own."""
-    return PREFILL_SIDE_CHANNEL_PORT if spec.role == "prefill" else DECODE_SIDE_CHANNEL_PORT
+    """The pod's NIXL handshake port: prefill's (decode connects to it) or decode's own; a
+    colocated pod has both (:func:`container_ports`), and this is prefill's."""
+    return DECODE_SIDE_CHANNEL_PORT if spec.role == "decode" else PREFILL_SIDE_CHANNEL_PORT
 
 
 def served_model(spec: ServingPoolSpec) -> str:
@@ -82,11 +84,18 @@ def container_env(spec: ServingPoolSpec) -> list[dict[str, Any]]:
 
 
 def container_ports(spec: ServingPoolSpec) -> list[dict[str, Any]]:
-    """The side channel as container port ``nixl``; empty without nixl. UCX's data path
+    """The side channel as container port ``nixl`` (a colocated pod: prefill's, and
+    decode's as ``nixl-decode``); empty without nixl. UCX's data path
     uses ephemeral ports besides (docs/operator.md, KV transport)."""
     if not uses_nixl(spec):
         return []
-    return [{"name": NIXL_PORT_NAME, "containerPort": side_channel_port(spec), "protocol": "TCP"}]
+    ports = [{"name": NIXL_PORT_NAME, "containerPort": side_channel_port(spec), "protocol": "TCP"}]
+    if spec.role == "colocated":  # decode's own side channel, beside prefill's in one pod
+        ports.append(
+            {"name": NIXL_DECODE_PORT_NAME, "containerPort": DECODE_SIDE_CHANNEL_PORT,
+             "protocol": "TCP"}
+        )  # fmt: skip
+    return ports
 
 
 def rdma_resources(spec: ServingPoolSpec) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""Pure: one ServingPool -> its Deployment, headless Service and (prefill) engine ConfigMap."""
+"""Pure: one ServingPool -> its Deployment, headless Service and (prefill, colocated) engine
+ConfigMap."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 from flowprefill.contracts import EngineConfig, KVHandoffSettings, KVTransport
 from flowprefill.contracts.deployment import (
     DECODE_PORT,
+    DECODE_SIDE_CHANNEL_PORT,
     ENGINE_CONFIG_PATH,
     POD_IP_ENV,
     PREFILL_PORT,
@@ -20,6 +22,7 @@ from flowprefill.contracts.processes import (
     prefill_process,
 )
 
+from ..colocated import HEALTH_PORT, LAUNCHER_MODULE, Child, LaunchSpec
 from ..models import ServingPoolSpec
 from ..models.gateway import pool_workload_name
 from ..models.kvhandoff import DEFAULT_BUDGET, KVHandoff
@@ -40,6 +43,7 @@ from .common import (
     owner_reference,
     pod_security_context,
     pool_selector,
+    probes_at,
     scratch_volumes,
 )
 from .model import model_dir, model_parts
@@ -53,7 +57,9 @@ def engine_configmap_name(pool_name: str) -> str:
 
 
 def pool_port(spec: ServingPoolSpec) -> int:
-    return PREFILL_PORT if spec.role == "prefill" else DECODE_PORT
+    """The pool's main port (``http``): prefill's, decode's; a colocated pod's prefill port
+    (its decode port is :data:`DECODE_PORT`, named ``decode``)."""
+    return DECODE_PORT if spec.role == "decode" else PREFILL_PORT
 
 
 def build_engine_config(spec: ServingPoolSpec) -> EngineConfig:
@@ -153,27 +159,51 @@ def shm_size_limit(spec: ServingPoolSpec) -> str | None:
     if spec.resources.shm_size is not None:
         return spec.resources.shm_size
     tp = spec.tensor_parallel_size
-    return f"{tp * SHM_PER_RANK_GI}Gi" if tp > 1 else None
+    if tp <= 1:
+        return None
+    # A colocated pod runs both instances' ranks.
+    ranks = spec.prefill_tp_size + spec.decode_tp_size if spec.role == "colocated" else tp
+    return f"{ranks * SHM_PER_RANK_GI}Gi"
 
 
 def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
     """The pool's container process, from the description ``flowprefill up`` renders too,
     with the drain bound of :func:`.rollout.drain_args`. With nixl, decode also gets
     ``--block-size`` (prefill's engine.json has the same) and its side-channel port; its
-    ``--model`` is the string prefill's ``served_model`` is."""
+    ``--model`` is the string prefill's ``served_model`` is. A colocated pod runs both
+    (:func:`colocated_launch`); this is its prefill process."""
+    return decode_pool_process(spec) if spec.role == "decode" else prefill_pool_process(spec)
+
+
+def _transport(spec: ServingPoolSpec) -> KVTransport | None:
     kv = spec.kv
-    transport = KVTransport.parse(str(kv.transport)) if kv else None
+    return KVTransport.parse(str(kv.transport)) if kv else None
+
+
+def prefill_pool_process(spec: ServingPoolSpec) -> ProcessSpec:
+    """``serve-prefill`` of a prefill or colocated pod (:func:`pool_process`)."""
+    process = prefill_process(
+        IMAGE,
+        engine_config_path=ENGINE_CONFIG_PATH,
+        port=PREFILL_PORT,
+        kv_transport=_transport(spec),
+        advertise_host=f"$({POD_IP_ENV})",
+    )
+    # The server's drain bound, which the pod's grace period is sized around.
+    return dataclasses.replace(process, args=(*process.args, *rollout.drain_args(spec, "prefill")))
+
+
+def decode_pool_process(spec: ServingPoolSpec) -> ProcessSpec:
+    """vLLM of a decode or colocated pod (:func:`pool_process`); in a colocated pod on GPUs
+    with ``--gpu-memory-utilization`` of ``colocated.decodeMemoryFraction``."""
+    kv = spec.kv
+    transport = _transport(spec)
     is_nixl = transport is KVTransport.NIXL
-    if spec.role == "prefill":
-        process = prefill_process(
-            IMAGE,
-            engine_config_path=ENGINE_CONFIG_PATH,
-            port=PREFILL_PORT,
-            kv_transport=transport,
-            advertise_host=f"$({POD_IP_ENV})",
-        )
-        # The server's drain bound, which the pod's grace period is sized around.
-        return dataclasses.replace(process, args=(*process.args, *rollout.drain_args(spec)))
+    memory = (
+        ["--gpu-memory-utilization", f"{spec.colocated_settings.decode_memory_fraction:g}"]
+        if spec.role == "colocated" and spec.on_gpu
+        else []
+    )
     return decode_process(
         IMAGE,
         model_path=model_dir(spec.model),
@@ -184,11 +214,50 @@ def pool_process(spec: ServingPoolSpec) -> ProcessSpec:
         tensor_parallel_size=spec.vllm_settings.tensor_parallel_size,
         extra_args=[
             *nixl.decode_block_size_args(spec),
-            *rollout.drain_args(spec),  # vLLM's default (0) aborts every stream on SIGTERM
+            *memory,
+            # vLLM's default (0) aborts every stream on SIGTERM.
+            *rollout.drain_args(spec, "decode"),
             *spec.vllm_args,
         ],
-        side_channel_port=nixl.side_channel_port(spec) if is_nixl else None,
+        side_channel_port=DECODE_SIDE_CHANNEL_PORT if is_nixl else None,
     )
+
+
+def colocated_launch(spec: ServingPoolSpec) -> LaunchSpec:
+    """What a colocated pod's launcher runs (:mod:`..colocated`): prefill capped at
+    ``colocated.prefillMemoryFraction`` of its GPU (no cap without GPUs), then vLLM;
+    each with its own environment (decode's NIXL side-channel port must not reach
+    prefill). Stopping the survivor of a crash waits the pod's drain bound."""
+    prefill, decode = prefill_pool_process(spec), decode_pool_process(spec)
+    return LaunchSpec(
+        prefill=Child(
+            name="prefill",
+            argv=prefill.argv,
+            port=prefill.port,
+            ready_path=prefill.ready_path,
+            health_path=prefill.health_path,
+            env=dict(prefill.env),
+            memory_fraction=spec.colocated_settings.prefill_memory_fraction
+            if spec.on_gpu
+            else None,
+        ),
+        decode=Child(
+            name="decode",
+            argv=decode.argv,
+            port=decode.port,
+            ready_path=decode.ready_path,
+            health_path=decode.health_path,
+            env=dict(decode.env),
+        ),
+        health_port=HEALTH_PORT,
+        stop_timeout_s=float(rollout.pool_drain_s(spec)),
+    )
+
+
+COLOCATED_STARTUP_S = 900 + 1800
+"""A colocated pod's startup budget: prefill's load, then decode's (started after)."""
+DECODE_PORT_NAME = "decode"
+HEALTH_PORT_NAME = "health"
 
 
 KV_PORT_NAME = "kv"
@@ -209,11 +278,17 @@ def container_ports(process: ProcessSpec, spec: ServingPoolSpec) -> list[dict[st
 def process_env(process: ProcessSpec) -> list[dict[str, Any]]:
     """The process's environment as container env; a prefill pod advertises its own IP
     (the Service name would land on any replica), so POD_IP comes first for $(POD_IP)."""
-    env: list[dict[str, Any]] = []
-    if any(f"$({POD_IP_ENV})" in v for v in process.env.values()):
-        env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    env = pod_ip_env(process.env.values())
     env += [{"name": k, "value": v} for k, v in process.env.items()]
     return env
+
+
+def pod_ip_env(texts: Any) -> list[dict[str, Any]]:
+    """``POD_IP`` from the downward API when any of ``texts`` refers to ``$(POD_IP)`` (the
+    kubelet expands it in env values, command and args alike)."""
+    if any(f"$({POD_IP_ENV})" in v for v in texts):
+        return [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    return []
 
 
 def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -267,6 +342,7 @@ def build_deployment(
     or mount paths."""
     spec = pool.spec
     labels = component_labels(spec.service, spec.role) | pool_selector(pool.name)
+    # A colocated pod runs in the decode image: vLLM's base with FlowPrefill installed.
     image = spec.image or (
         settings.prefill_image if spec.role == "prefill" else settings.decode_image
     )
@@ -277,8 +353,7 @@ def build_deployment(
     kv_volumes, kv_mounts = kv_volume(spec)
     volumes += kv_volumes
     mounts += kv_mounts
-    process = pool_process(spec)
-    if spec.role == "prefill":
+    if spec.runs_prefill:
         volumes.append({"name": "engine", "configMap": {"name": engine_configmap_name(pool.name)}})
         mounts.append(
             {"name": "engine", "mountPath": ENGINE_CONFIG_PATH, "subPath": "engine.json",
@@ -288,20 +363,23 @@ def build_deployment(
         if profile:
             volumes.append({"name": "profile", "configMap": {"name": profile.name}})
             mounts.append({"name": "profile", "mountPath": PROFILE_DIR, "readOnly": True})
-        startup_s = 900
-    else:
-        startup_s = 1800
     container: dict[str, Any] = {
         "name": spec.role,
         "image": image,
         "imagePullPolicy": settings.image_pull_policy,
-        "command": process.argv,
-        "ports": container_ports(process, spec),
-        "env": [*SCRATCH_ENV, *process_env(process), *nixl.container_env(spec)],
         "volumeMounts": mounts,
         "securityContext": container_security_context(add=nixl.capabilities_add(spec)),
-        **http_probes("http", process, startup_s=startup_s),
     }
+    if spec.role == "colocated":
+        container |= colocated_container(spec)
+    else:
+        process = pool_process(spec)
+        container |= {
+            "command": process.argv,
+            "ports": container_ports(process, spec),
+            "env": [*SCRATCH_ENV, *process_env(process), *nixl.container_env(spec)],
+            **http_probes("http", process, startup_s=900 if spec.role == "prefill" else 1800),
+        }
     lifecycle, grace_s = rollout.pool_termination(spec)
     container["lifecycle"] = lifecycle
     if resources := _resources(spec):
@@ -347,10 +425,35 @@ def build_deployment(
     }
 
 
+def colocated_container(spec: ServingPoolSpec) -> dict[str, Any]:
+    """A colocated pod's command, ports, env and probes: the launcher with both processes
+    (:func:`colocated_launch`); the probes ask the launcher, which answers for both. Each
+    process's own env rides in the launch spec; the container's env is what both share."""
+    launch = colocated_launch(spec)
+    text = launch.to_json()
+    prefill = prefill_pool_process(spec)
+    ports = [
+        *container_ports(prefill, spec)[:1],  # http: prefill's API
+        {"name": DECODE_PORT_NAME, "containerPort": DECODE_PORT, "protocol": "TCP"},
+        *container_ports(prefill, spec)[1:],  # kv (http transport), nixl, nixl-decode
+        {"name": HEALTH_PORT_NAME, "containerPort": launch.health_port, "protocol": "TCP"},
+    ]
+    return {
+        "command": ["python", "-m", LAUNCHER_MODULE, "run", text],
+        "ports": ports,
+        "env": [*SCRATCH_ENV, *pod_ip_env([text]), *nixl.container_env(spec)],
+        **probes_at(HEALTH_PORT_NAME, "/health", "/ready", startup_s=COLOCATED_STARTUP_S),
+    }
+
+
 def build_pool_service(pool: PoolRef) -> Manifest:
     """Headless: the pool's DNS name resolves to every ready pod; the gateway picks one."""
     spec = pool.spec
     labels = component_labels(spec.service, spec.role) | pool_selector(pool.name)
+    ports = [{"name": "http", "port": pool_port(spec), "targetPort": "http", "protocol": "TCP"}]
+    if spec.role == "colocated":  # the gateway reaches its decode on the same name
+        ports.append({"name": DECODE_PORT_NAME, "port": DECODE_PORT,
+                      "targetPort": DECODE_PORT_NAME, "protocol": "TCP"})  # fmt: skip
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -363,9 +466,7 @@ def build_pool_service(pool: PoolRef) -> Manifest:
         "spec": {
             "clusterIP": "None",
             "selector": pool_selector(pool.name),
-            "ports": [
-                {"name": "http", "port": pool_port(spec), "targetPort": "http", "protocol": "TCP"}
-            ],
+            "ports": ports,
         },
     }
 
@@ -377,7 +478,7 @@ def build_pool_children(
     Raises :class:`OverlayConflict` as :func:`build_deployment` does."""
     children: list[Manifest] = []
     digest = ""
-    if pool.spec.role == "prefill":
+    if pool.spec.runs_prefill:
         cm = build_engine_configmap(pool)
         digest = config_hash(cm["data"])
         children.append(cm)

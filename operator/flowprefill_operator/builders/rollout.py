@@ -109,12 +109,17 @@ def flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
-def pool_drain_s(spec: ServingPoolSpec) -> int:
-    """The pool's drain bound: ``rollout.drainSeconds``, else a decode pool's own
-    ``--shutdown-timeout`` in vllmArgs, else the role's default."""
+def pool_drain_s(spec: ServingPoolSpec, process: str | None = None) -> int:
+    """The drain bound of the pool's ``process`` (``prefill`` or ``decode``; None: the
+    pool's role): ``rollout.drainSeconds``, else decode's own ``--shutdown-timeout`` in
+    vllmArgs, else the role's default. A colocated pod's bound is the longer of its two
+    processes' (they drain side by side after one SIGTERM)."""
+    role = process or spec.role
+    if role == "colocated":
+        return max(pool_drain_s(spec, "prefill"), pool_drain_s(spec, "decode"))
     if spec.rollout is not None and spec.rollout.drain_seconds is not None:
         return spec.rollout.drain_seconds
-    if spec.role == "decode":
+    if role == "decode":
         given = flag_value(list(spec.vllm_args), DECODE_SHUTDOWN_FLAG)
         if given is not None and given.isdigit():
             return int(given)
@@ -122,13 +127,15 @@ def pool_drain_s(spec: ServingPoolSpec) -> int:
     return PREFILL_DRAIN_S
 
 
-def drain_args(spec: ServingPoolSpec) -> list[str]:
-    """The flag that bounds the process's drain (none when vllmArgs already set it)."""
-    if spec.role == "decode":
+def drain_args(spec: ServingPoolSpec, process: str | None = None) -> list[str]:
+    """The flag that bounds ``process``'s drain (None: the pool's role, prefill or
+    decode; none when vllmArgs already set it)."""
+    role = process or spec.role
+    if role == "decode":
         if flag_value(list(spec.vllm_args), DECODE_SHUTDOWN_FLAG) is not None:
             return []
-        return [DECODE_SHUTDOWN_FLAG, str(pool_drain_s(spec))]
-    return [PREFILL_DRAIN_FLAG, str(pool_drain_s(spec))]
+        return [DECODE_SHUTDOWN_FLAG, str(pool_drain_s(spec, "decode"))]
+    return [PREFILL_DRAIN_FLAG, str(pool_drain_s(spec, "prefill"))]
 
 
 def termination(drain_s: int) -> tuple[dict[str, Any], int]:
@@ -139,8 +146,11 @@ def termination(drain_s: int) -> tuple[dict[str, Any], int]:
 
 
 def pool_termination(spec: ServingPoolSpec) -> tuple[dict[str, Any], int]:
-    """:func:`termination` of a pool's pods (prefill adds its engine close)."""
-    drain = pool_drain_s(spec)
-    if spec.role == "prefill":
-        drain += PREFILL_ENGINE_CLOSE_S
+    """:func:`termination` of a pool's pods (prefill adds its engine close; a colocated
+    pod waits for the slower of its two processes)."""
+    if spec.role == "decode":
+        return termination(pool_drain_s(spec))
+    drain = pool_drain_s(spec, "prefill") + PREFILL_ENGINE_CLOSE_S
+    if spec.role == "colocated":  # both drain at once; the pod waits for the slower
+        drain = max(drain, pool_drain_s(spec, "decode"))
     return termination(drain)

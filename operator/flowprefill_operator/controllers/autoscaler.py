@@ -155,7 +155,8 @@ def decide(
         float(auto.warmup_seconds),
     )
     settings, memory = scaler_settings(auto), scaler_memory(pool.status.autoscaler)
-    if pool.spec.role == "prefill":
+    # A colocated pool scales as a prefill pool (docs/operator.md, Colocated pools).
+    if pool.spec.runs_prefill:
         signals = class_signals(classes, short, long)
         if (
             long_span_s < auto.long_window_seconds
@@ -287,7 +288,7 @@ def autoscale_service(
                     )
                 owned.append(Scaled(body, spec, status, history))
         served = served_classes(peers, classes)
-        prefill_replicas = sum(p.spec.replicas for p in peers if p.spec.role == "prefill")
+        prefill_replicas = sum(p.spec.replicas for p in peers if p.spec.runs_prefill)
         for pool in owned:
             pool.decision = decide(ctx, namespace, pool, served, now_s, prefill_replicas)
         decided = [p for p in owned if p.decision is not None]

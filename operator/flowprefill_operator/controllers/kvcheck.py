@@ -20,8 +20,16 @@ NIXL_TP_REFUSED = "NixlTensorParallelRefused"
 
 
 def _others(pool: PoolRef, peers: list[PoolRef]) -> list[PoolRef]:
-    """The service's pools of the other role."""
-    return [p for p in peers if p.name != pool.name and p.spec.role != pool.spec.role]
+    """The service's pools of the other role: those whose prefill hands KV to this pool's
+    decode or whose decode takes it from this pool's prefill (a colocated pool runs both,
+    and the gateway pairs prefill and decode across pools and pods)."""
+    me = pool.spec
+    return [
+        p
+        for p in peers
+        if p.name != pool.name
+        and ((me.runs_prefill and p.spec.runs_decode) or (me.runs_decode and p.spec.runs_prefill))
+    ]
 
 
 def describe(p: PoolRef) -> str:
@@ -50,7 +58,11 @@ def kv_mismatch(pool: PoolRef, peers: list[PoolRef]) -> list[Problem]:
 
 
 def _pair(pool: PoolRef, other: PoolRef) -> tuple[PoolRef, PoolRef]:
-    return (pool, other) if pool.spec.role == "prefill" else (other, pool)
+    """(prefill side, decode side) of two pools :func:`_others` pairs; a colocated pool is
+    the decode side next to a prefill pool, else the prefill side."""
+    if pool.spec.role == "decode" or other.spec.role == "prefill":
+        return other, pool
+    return pool, other
 
 
 def nixl_problems(pool: PoolRef, peers: list[PoolRef]) -> list[Problem]:
@@ -66,11 +78,13 @@ def nixl_problems(pool: PoolRef, peers: list[PoolRef]) -> list[Problem]:
     if not uses_nixl(pool.spec):
         return []
     problems: list[Problem] = []
-    for other in _others(pool, peers):
+    # A colocated pool also hands off to itself: its own vLLM reads its own engine's KV.
+    own = [pool] if pool.spec.role == "colocated" else []
+    for other in [*own, *_others(pool, peers)]:
         if not uses_nixl(other.spec):
             continue  # kv_mismatch says so
         prefill, decode = _pair(pool, other)
-        p_tp, d_tp = prefill.spec.tensor_parallel_size, decode.spec.tensor_parallel_size
+        p_tp, d_tp = prefill.spec.prefill_tp_size, decode.spec.decode_tp_size
         try:
             check_decode_tp(p_tp, d_tp)
         except KVHandoffError as e:

@@ -14,12 +14,19 @@ from .podoverlay import (
     Volume,
     VolumeMount,
 )
-from .servingpool import EngineSettings, ModelSource, ServingPoolSpec, ServingPoolStatus
+from .servingpool import (
+    ColocatedSettings,
+    EngineSettings,
+    ModelSource,
+    ServingPoolSpec,
+    ServingPoolStatus,
+)
 from .sloclass import MatchRules, SLOClassSpec, SLOClassStatus
 
 __all__ = [
     "Affinity",
     "CRModel",
+    "ColocatedSettings",
     "Condition",
     "ContainerSecurityContext",
     "Endpoint",

@@ -1,4 +1,5 @@
-"""ServingPool: the replicas of one role (prefill or decode) of one served model."""
+"""ServingPool: the replicas of one role (prefill, decode, or both colocated in one pod) of
+one served model."""
 
 from __future__ import annotations
 
@@ -24,6 +25,23 @@ PREFILL_TP_REFUSED = (
     "engine.tpSize must not exceed resources.gpusPerPod when engine.device is cuda: each "
     "rank of the pod's engine drives a GPU of its own (an unset engine runs cuda, tpSize 1)"
 )
+COLOCATED_ONLY = "colocated applies to role=colocated"
+COLOCATED_DEVICE = (
+    "a colocated pool runs the engine where vLLM runs: engine.device cuda with "
+    "resources.gpusPerPod above 0, engine.device cpu with gpusPerPod 0 (an unset engine "
+    "runs cuda)"
+)
+COLOCATED_MEMORY_ARG = (
+    "set a colocated pool's vLLM memory share with colocated.decodeMemoryFraction, not "
+    "--gpu-memory-utilization in vllmArgs (the operator renders it from the split)"
+)
+MEMORY_SPLIT_OVER = (
+    "colocated.decodeMemoryFraction + colocated.prefillMemoryFraction must not exceed 0.95 "
+    "(the rest of the GPU holds the two processes' CUDA contexts and NCCL's buffers, which "
+    "neither share counts)"
+)
+MAX_COLOCATED_MEMORY = 0.95
+GPU_MEMORY_ARG_PREFIXES = ("--gpu-memory-utilization", "--gpu_memory_utilization")
 DECODE_TP_REFUSED = (
     "vllm.tensorParallelSize must not exceed resources.gpusPerPod: each vLLM rank drives a "
     "GPU of its own (gpusPerPod 0: vLLM's CPU backend)"
@@ -79,7 +97,7 @@ def sets_tensor_parallel(arg: str) -> bool:
     return arg == TP_SHORT_FLAG or arg.startswith(TP_ARG_PREFIXES)
 
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "colocated"]
 Granularity = Literal["operator", "layer", "none"]
 Policy = Literal["s-edf", "d-edf", "edf", "fcfs"]
 Batching = Literal["slo-aware", "member-headroom", "none"]
@@ -214,6 +232,48 @@ class VLLMSettings(CRModel):
     )
 
 
+class ColocatedSettings(CRModel):
+    """How a ``role: colocated`` pod splits its GPU(s) between the prefill engine and vLLM
+    decode (docs/operator.md, "Colocated pools"). Both are fractions of each GPU's total
+    memory, as vLLM's ``--gpu-memory-utilization`` is."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.decodeMemoryFraction + self.prefillMemoryFraction"
+                    f" <= {MAX_COLOCATED_MEMORY}",
+                    MEMORY_SPLIT_OVER,
+                ),
+            ]
+        }
+    )
+
+    decode_memory_fraction: float = Field(
+        default=0.45,
+        gt=0,
+        lt=1,
+        description="vLLM's share of each GPU: its --gpu-memory-utilization (weights, "
+        "activations and its KV cache fit in it; vLLM refuses to start when it cannot).",
+    )
+    prefill_memory_fraction: float = Field(
+        default=0.45,
+        gt=0,
+        lt=1,
+        description="The prefill engine's share of each GPU: the cap of its torch allocator "
+        "(torch.cuda.set_per_process_memory_fraction in the engine's process; weights, "
+        "activations, parked prefills and the NIXL buffer). Its tensor-parallel followers "
+        "(engine.tpSize above 1) are not capped.",
+    )
+
+    @model_validator(mode="after")
+    def _mirror_cel(self) -> ColocatedSettings:
+        # The CRD's rule, in Python (the same double arithmetic as CEL's).
+        if self.decode_memory_fraction + self.prefill_memory_fraction > MAX_COLOCATED_MEMORY:
+            raise ValueError(MEMORY_SPLIT_OVER)
+        return self
+
+
 class ServingPoolSpec(CRModel):
     """Desired state of a serving pool."""
 
@@ -221,15 +281,31 @@ class ServingPoolSpec(CRModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "self.role == 'prefill' || !has(self.engine)", "engine applies to role=prefill"
+                    "self.role != 'decode' || !has(self.engine)",
+                    "engine applies to role=prefill or colocated",
                 ),
                 cel(
-                    "self.role == 'decode' || !has(self.vllmArgs) || size(self.vllmArgs) == 0",
-                    "vllmArgs applies to role=decode",
+                    "self.role != 'prefill' || !has(self.vllmArgs) || size(self.vllmArgs) == 0",
+                    "vllmArgs applies to role=decode or colocated",
                 ),
-                cel("self.role == 'decode' || !has(self.vllm)", "vllm applies to role=decode"),
                 cel(
-                    "self.role != 'prefill' || (has(self.engine) ? self.engine.device != 'cuda'"
+                    "self.role != 'prefill' || !has(self.vllm)",
+                    "vllm applies to role=decode or colocated",
+                ),
+                cel("self.role == 'colocated' || !has(self.colocated)", COLOCATED_ONLY),
+                cel(
+                    "self.role != 'colocated' || (has(self.engine) ? self.engine.device == 'cuda'"
+                    " : true) == (self.resources.gpusPerPod > 0)",
+                    COLOCATED_DEVICE,
+                ),
+                cel(
+                    "self.role != 'colocated' || !has(self.vllmArgs) || !self.vllmArgs.exists(a, "
+                    + " || ".join(f"a.startsWith('{p}')" for p in GPU_MEMORY_ARG_PREFIXES)
+                    + ")",
+                    COLOCATED_MEMORY_ARG,
+                ),
+                cel(
+                    "self.role == 'decode' || (has(self.engine) ? self.engine.device != 'cuda'"
                     " || self.engine.tpSize <= self.resources.gpusPerPod"
                     " : self.resources.gpusPerPod >= 1)",
                     PREFILL_TP_REFUSED,
@@ -285,7 +361,11 @@ class ServingPoolSpec(CRModel):
         pattern=DNS_LABEL,
         description="Service name grouping the pools of one model; they share one gateway.",
     )
-    role: Role = Field(description="prefill or decode (one pool per role).")
+    role: Role = Field(
+        description="prefill or decode (one pool per role), or colocated: each pod runs the "
+        "prefill engine and vLLM decode on the same GPU(s), listed as both to the gateway "
+        "(docs/operator.md, Colocated pools)."
+    )
     replicas: int = Field(
         default=1,
         ge=0,
@@ -306,7 +386,8 @@ class ServingPoolSpec(CRModel):
         default=None, max_length=512, description="Container image; defaults to the operator's."
     )
     engine: EngineSettings | None = Field(
-        default=None, description="Prefill engine settings (role=prefill; defaults apply if unset)."
+        default=None,
+        description="Prefill engine settings (role=prefill or colocated; defaults apply if unset).",
     )
     kv_handoff: KVHandoff | None = Field(
         default=None,
@@ -315,12 +396,18 @@ class ServingPoolSpec(CRModel):
         "prompt).",
     )
     vllm: VLLMSettings | None = Field(
-        default=None, description="Decode (vLLM) settings (role=decode; defaults apply if unset)."
+        default=None,
+        description="Decode (vLLM) settings (role=decode or colocated; defaults apply if unset).",
     )
     vllm_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list,
         max_length=64,
-        description="Extra vLLM server arguments (role=decode).",
+        description="Extra vLLM server arguments (role=decode or colocated).",
+    )
+    colocated: ColocatedSettings | None = Field(
+        default=None,
+        description="role=colocated: the GPU memory split between the prefill engine and "
+        "vLLM (defaults apply if unset; ignored on a pool without GPUs).",
     )
     resources: PoolResources = Field(
         default=PoolResources(), description="GPUs, CPU, memory and placement per pod."
@@ -355,19 +442,30 @@ class ServingPoolSpec(CRModel):
     def _mirror_cel(self) -> ServingPoolSpec:
         # The same rules as the CRD's CEL (the API server's copy); the operator re-checks
         # so that an object admitted without them (old CRD, emulator) still fails clearly.
-        if self.role != "prefill" and self.engine is not None:
-            raise ValueError("engine applies to role=prefill")
-        if self.role != "decode" and self.vllm_args:
-            raise ValueError("vllmArgs applies to role=decode")
-        if self.role != "decode" and self.vllm is not None:
-            raise ValueError("vllm applies to role=decode")
+        if self.role == "decode" and self.engine is not None:
+            raise ValueError("engine applies to role=prefill or colocated")
+        if self.role == "prefill" and self.vllm_args:
+            raise ValueError("vllmArgs applies to role=decode or colocated")
+        if self.role == "prefill" and self.vllm is not None:
+            raise ValueError("vllm applies to role=decode or colocated")
+        if self.role != "colocated" and self.colocated is not None:
+            raise ValueError(COLOCATED_ONLY)
         gpus = self.resources.gpus_per_pod
-        tp = self.tensor_parallel_size
-        if self.role == "prefill" and self.engine_settings.device == "cuda" and tp > gpus:
+        if self.role == "colocated":
+            if (self.engine_settings.device == "cuda") != (gpus > 0):
+                raise ValueError(
+                    f"{COLOCATED_DEVICE} (engine.device={self.engine_settings.device}, "
+                    f"resources.gpusPerPod={gpus})"
+                )
+            if any(a.startswith(GPU_MEMORY_ARG_PREFIXES) for a in self.vllm_args):
+                raise ValueError(COLOCATED_MEMORY_ARG)
+        tp = self.prefill_tp_size
+        if self.role != "decode" and self.engine_settings.device == "cuda" and tp > gpus:
             raise ValueError(
                 f"{PREFILL_TP_REFUSED} (engine.tpSize={tp}, resources.gpusPerPod={gpus})"
             )
-        if self.role == "decode" and gpus and tp > gpus:
+        tp = self.decode_tp_size
+        if self.role != "prefill" and gpus and tp > gpus:
             raise ValueError(
                 f"{DECODE_TP_REFUSED} (vllm.tensorParallelSize={tp}, resources.gpusPerPod={gpus})"
             )
@@ -389,9 +487,20 @@ class ServingPoolSpec(CRModel):
         return self
 
     @property
+    def runs_prefill(self) -> bool:
+        """Whether the pool's pods run the prefill engine (prefill, colocated)."""
+        return self.role != "decode"
+
+    @property
+    def runs_decode(self) -> bool:
+        """Whether the pool's pods run vLLM decode (decode, colocated)."""
+        return self.role != "prefill"
+
+    @property
     def on_gpu(self) -> bool:
-        """Whether the pool runs on GPUs: a prefill engine on ``cuda``, a decode pool with
-        ``resources.gpusPerPod`` above 0 (vLLM's CPU backend otherwise)."""
+        """Whether the pool runs on GPUs: a prefill engine on ``cuda``, a decode or
+        colocated pool with ``resources.gpusPerPod`` above 0 (vLLM's CPU backend otherwise;
+        a colocated pool's engine device agrees, by the CRD's rule)."""
         if self.role == "prefill":
             return self.engine_settings.device == "cuda"
         return self.resources.gpus_per_pod > 0
@@ -431,12 +540,30 @@ class ServingPoolSpec(CRModel):
         return self.vllm or VLLMSettings()
 
     @property
+    def colocated_settings(self) -> ColocatedSettings:
+        """The memory split with defaults (colocated pools may omit the block)."""
+        return self.colocated or ColocatedSettings()
+
+    @property
+    def prefill_tp_size(self) -> int:
+        """The prefill engine's tensor-parallel degree (``engine.tpSize``)."""
+        return self.engine_settings.tp_size
+
+    @property
+    def decode_tp_size(self) -> int:
+        """vLLM's tensor-parallel degree (``vllm.tensorParallelSize``)."""
+        return self.vllm_settings.tensor_parallel_size
+
+    @property
     def tensor_parallel_size(self) -> int:
         """Ranks of the one instance each pod runs: ``engine.tpSize`` (prefill) or
-        ``vllm.tensorParallelSize`` (decode)."""
+        ``vllm.tensorParallelSize`` (decode); a colocated pod runs both instances, and this
+        is the larger degree."""
         if self.role == "prefill":
-            return self.engine_settings.tp_size
-        return self.vllm_settings.tensor_parallel_size
+            return self.prefill_tp_size
+        if self.role == "decode":
+            return self.decode_tp_size
+        return max(self.prefill_tp_size, self.decode_tp_size)
 
 
 class ServingPoolStatus(CRModel):
