@@ -378,6 +378,9 @@ class Job:
     """Unix time, for the OpenAI ``created`` field."""
     num_completion_tokens: int = 1
     """The first token; decode's usage adds the rest."""
+    cached_tokens: int | None = None
+    """``usage.prompt_tokens_details.cached_tokens``: set only from decode's own report,
+    when it is the client's (:mod:`flowprefill.gateway.decode`)."""
 
     @property
     def slo(self) -> SLOTableClass:

@@ -31,6 +31,16 @@ instance the gateway has already dropped (a stalled one that resumes with a step
 scheduled): that load finds no hand-off and vLLM recomputes the prompt — the connector's
 fallback for a missing hand-off — for a request whose output nobody reads. A second
 delete (connector and gateway both) finds nothing and is harmless.
+
+Usage: decode's reports set the request's completion tokens (1, the first token, plus
+decode's), in every chunk when the client asked for vLLM's ``continuous_usage_stats``.
+Decode's ``prompt_tokens_details.cached_tokens`` (vLLM with
+``--enable-prompt-tokens-details``) is the client's only when decode computed the prompt
+itself (no hand-off: a recompute): vLLM counts every prompt token it did not compute,
+so with a hand-off loaded it counts the tokens prefill computed *for this request* —
+nearly the whole prompt, not a cache hit. vLLM's own P/D has decode report the prefill
+side's hits instead (``remote_prefill_cached_tokens``); FlowPrefill's prefill has no
+prefix cache and reports none, so then the field is left out, never made up.
 """
 
 from __future__ import annotations
@@ -109,13 +119,15 @@ class DecodeStage:
             raise UpstreamError(503, "this gateway has no decode instances", "no_decode")
         handoff = await answer.hand_off()
         attempts = 0
+        loads_handoff = False  # whether the attempt now streaming loads the prompt's KV
 
         async def attempt(inst: Instance) -> AsyncGenerator[DecodeDelta, None]:
-            nonlocal attempts
+            nonlocal attempts, loads_handoff
             attempts += 1
             # NIXL blocks are freed once a decode has read them, and may hold another
             # prompt's KV by the time a retry would read them: a retry recomputes.
             kv = None if attempts > 1 and isinstance(handoff, RemotePrefill) else handoff
+            loads_handoff = kv is not None
             custody.attempt_live = True  # from the moment it may reach the instance
             deltas = client.stream(
                 inst.url,
@@ -125,6 +137,7 @@ class DecodeStage:
                 handoff=kv,
                 headers=job.upstream_hints(self.clock()),
                 request_id=job.request_id,
+                continuous_usage=job.body.usage_in_chunks,
             )
             try:
                 async with aclosing(deltas):
@@ -142,8 +155,11 @@ class DecodeStage:
         work = Placement(job.request_id, job.deadline_s, budget)
         async with aclosing(failover(pool, work, attempt)) as deltas:
             async for delta in deltas:
+                # Counted before the piece is relayed: its chunk carries the count so far.
                 if delta.completion_tokens is not None:
                     job.num_completion_tokens = 1 + delta.completion_tokens
+                if delta.cached_tokens is not None and not loads_handoff:
+                    job.cached_tokens = delta.cached_tokens
                 if delta.text or delta.finish_reason:
                     finish = delta.finish_reason or finish
                     yield Piece(delta.text, delta.finish_reason)

@@ -173,7 +173,9 @@ class StreamOptions(BaseModel):
         False, description="Send a last chunk with the usage and no choices (OpenAI semantics)."
     )
     continuous_usage_stats: bool | None = Field(
-        False, description="vLLM's usage in every chunk: refused (not served)."
+        False,
+        description="vLLM's: with include_usage, every chunk also carries the usage so far "
+        "(prompt, completion and total tokens); without include_usage, no effect (as vLLM).",
     )
 
 
@@ -211,22 +213,28 @@ class SamplingFields(BaseModel):
         return self
 
     @property
+    def usage_at_end(self) -> bool:
+        """A last chunk with the usage (``stream_options.include_usage``)."""
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def usage_in_chunks(self) -> bool:
+        """The usage so far in every chunk: vLLM's ``continuous_usage_stats``, which vLLM
+        honours only together with ``include_usage`` (``should_include_usage``)."""
+        options = self.stream_options
+        return (
+            options is not None
+            and bool(options.include_usage)
+            and bool(options.continuous_usage_stats)
+        )
+
+    @property
     def output_budget(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16
 
     def refusals(self) -> list[tuple[str, str]]:
         """(field, message) for each field sent that the gateway refuses (empty: none)."""
-        problems = check_extra_fields(self.model_extra or {}, set(type(self).model_fields))
-        options = self.stream_options
-        if options is not None and options.continuous_usage_stats:
-            problems.append(
-                (
-                    "stream_options.continuous_usage_stats",
-                    "stream_options.continuous_usage_stats is not served: usage comes in "
-                    "the last chunk only (include_usage)",
-                )
-            )
-        return problems
+        return check_extra_fields(self.model_extra or {}, set(type(self).model_fields))
 
     def decode_sampling(self) -> dict[str, Any]:
         """Sampling fields forwarded to the decode instance as they were given

@@ -8,6 +8,16 @@ Completions answer ``text_completion`` objects, chat completions ``chat.completi
 ``stream_options.include_usage`` a last chunk with no choices and the usage, then
 ``[DONE]``. Error bodies are :func:`flowprefill.web.errors.error_body`.
 
+Usage (:func:`usage`): prompt, completion and total tokens, plus
+``prompt_tokens_details.cached_tokens`` only where decode reported it for the client
+(:mod:`flowprefill.gateway.decode`). Under vLLM's ``continuous_usage_stats`` (with
+``include_usage``, as vLLM requires) every chunk carries the usage so far, as vLLM's
+serving code builds it: prompt, completion and total tokens only (vLLM adds the details
+to the last usage only). The first chunk counts the first token (vLLM's chat sends a
+role chunk with no text and 0 first; the gateway's first chunk already holds the first
+token), each later one what decode reported for its chunk; the last usage equals the
+non-streamed answer's.
+
 A failure after the first token: a collected answer raises it (the client gets its
 status); a stream, whose 200 is already sent, counts it (``flowprefill_gateway_errors``)
 and ends with an error event and ``[DONE]`` (no usage, as vLLM).
@@ -41,13 +51,22 @@ def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {to_json(payload).decode()}\n\n"
 
 
-def usage(job: Job) -> dict[str, int]:
+def usage_so_far(job: Job) -> dict[str, int]:
+    """The counts as they stand: a chunk's usage under ``continuous_usage_stats``."""
     prompt = len(job.token_ids)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": job.num_completion_tokens,
         "total_tokens": prompt + job.num_completion_tokens,
     }
+
+
+def usage(job: Job) -> dict[str, Any]:
+    """A finished answer's usage (the body's, or the last chunk's)."""
+    counts: dict[str, Any] = usage_so_far(job)
+    if job.cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}
+    return counts
 
 
 def _envelope(job: Job, model: str, obj: str) -> dict[str, Any]:
@@ -73,9 +92,15 @@ def completion_body(job: Job, model: str, text: str, finish_reason: str) -> dict
 
 
 def chunk_event(
-    job: Job, model: str, text: str, finish_reason: str | None, *, first: bool = False
+    job: Job,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    *,
+    first: bool = False,
+    with_usage: bool = False,
 ) -> str:
-    """One streamed piece as an SSE event."""
+    """One streamed piece as an SSE event; ``with_usage``: with the usage so far."""
     choice: dict[str, Any]
     if job.kind == "chat.completion":
         delta: dict[str, Any] = {"content": text}
@@ -84,7 +109,10 @@ def chunk_event(
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-    return sse_event({**_envelope(job, model, _chunk_object(job)), "choices": [choice]})
+    payload = {**_envelope(job, model, _chunk_object(job)), "choices": [choice]}
+    if with_usage:
+        payload["usage"] = usage_so_far(job)
+    return sse_event(payload)
 
 
 def usage_event(job: Job, model: str) -> str:
@@ -177,18 +205,21 @@ class Relay:
     ) -> AsyncIterator[str]:
         """SSE events; a client gone mid-stream closes ``pieces`` (and decode) at once."""
         first_s = self.clock()
-        yield chunk_event(job, self.model, first_text, None, first=True)
-        options = job.body.stream_options
+        every = job.body.usage_in_chunks
+        yield chunk_event(job, self.model, first_text, None, first=True, with_usage=every)
         try:
             async with aclosing(pieces):
                 async for piece in pieces:
-                    yield chunk_event(job, self.model, piece.text, piece.finish_reason)
+                    # The decode stage has counted the piece's tokens before it comes.
+                    yield chunk_event(
+                        job, self.model, piece.text, piece.finish_reason, with_usage=every
+                    )
         except GatewayError as e:
             self.metrics.failed(e)
             yield error_event(e)
         else:  # as vLLM does: no usage after an error event
             self._decoded(job, first_s)
-            if options is not None and options.include_usage:
+            if job.body.usage_at_end:
                 # With [DONE], as one write: nothing comes between them.
                 yield usage_event(job, self.model) + DONE
                 return

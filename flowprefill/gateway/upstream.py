@@ -367,9 +367,17 @@ class PrefillClient:
 
 @dataclass(frozen=True, slots=True)
 class DecodeDelta:
+    """One chunk of decode's stream: its text and finish reason (empty and None for the
+    usage-only chunk), and what its usage reports, when it has one."""
+
     text: str
     finish_reason: str | None = None
     completion_tokens: int | None = None
+    """Decode's completion tokens so far (every chunk under ``continuous_usage``, else the
+    last one only)."""
+    cached_tokens: int | None = None
+    """``usage.prompt_tokens_details.cached_tokens``, only when decode reports it (vLLM:
+    ``--enable-prompt-tokens-details``, in the last usage)."""
 
 
 class DecodeClient:
@@ -389,13 +397,20 @@ class DecodeClient:
         handoff: DecodeKV | None,
         headers: dict[str, str],
         request_id: str,
+        continuous_usage: bool = False,
     ) -> AsyncGenerator[DecodeDelta, None]:
+        """One delta per chunk of decode's stream. ``continuous_usage``: ask vLLM for the
+        usage in every chunk (``continuous_usage_stats``), so each delta carries the
+        completion tokens so far (a chunk may hold several tokens: ``stream_interval``)."""
+        options: dict[str, bool] = {"include_usage": True}
+        if continuous_usage:
+            options["continuous_usage_stats"] = True
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_token_ids,
             "max_tokens": max_tokens,
             "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream_options": options,
             **sampling,
         }
         if handoff is not None:
@@ -408,9 +423,17 @@ class DecodeClient:
                 if "error" in chunk:
                     raise UpstreamError(502, str(chunk["error"]), "decode_stream_error")
                 usage = chunk.get("usage") or {}
+                completion = usage.get("completion_tokens")
+                details = usage.get("prompt_tokens_details") or {}
+                cached = details.get("cached_tokens")
                 choices = chunk.get("choices") or []
-                if choices:
-                    c = choices[0]
-                    yield DecodeDelta(c.get("text") or "", c.get("finish_reason"))
-                if usage.get("completion_tokens") is not None:
-                    yield DecodeDelta("", None, int(usage["completion_tokens"]))
+                c = choices[0] if choices else {}
+                if c or completion is not None:
+                    # One delta for the text and its usage: the count is known when the
+                    # text is relayed.
+                    yield DecodeDelta(
+                        c.get("text") or "",
+                        c.get("finish_reason"),
+                        None if completion is None else int(completion),
+                        cached if isinstance(cached, int) else None,
+                    )

@@ -220,7 +220,6 @@ REFUSALS = [
     ("chat", {"audio": {"voice": "alloy"}}, "audio"),
     ("chat", {"chat_template": "{{ x }}"}, "chat_template"),
     ("chat", {"chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs"),
-    ("chat", {"stream_options": {"continuous_usage_stats": True}, "stream": True}, "stream_opt"),
     (
         "chat",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
