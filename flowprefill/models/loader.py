@@ -68,7 +68,8 @@ def save_model_dir(model: PreTrainedModel, path: str | os.PathLike[str]) -> Path
 
 
 def _make_tokenizer_config_portable(config_path: Path) -> None:
-    """Name the generic fast tokenizer class and inline the chat template.
+    """Name the generic fast tokenizer class, inline the chat template, and list the extra
+    special tokens as ``additional_special_tokens``.
 
     transformers 5 writes ``TokenizersBackend`` and a separate ``chat_template.jinja``;
     older loaders (and some vLLM paths) only understand ``PreTrainedTokenizerFast`` and a
@@ -76,6 +77,9 @@ def _make_tokenizer_config_portable(config_path: Path) -> None:
     """
     data = json.loads(config_path.read_text())
     data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # transformers 5's list of unnamed specials; older loaders know it by its old name.
+    if isinstance(data.get("extra_special_tokens"), list):
+        data["additional_special_tokens"] = data.pop("extra_special_tokens")
     data["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(data, indent=2) + "\n")
 

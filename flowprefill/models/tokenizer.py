@@ -112,6 +112,8 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         unk_token=UNK,
+        # Named too, so all_special_ids (which vLLM's slow detokenizer skips) has all four.
+        extra_special_tokens=[IM_START],
         model_max_length=1 << 30,
         # transformers' clean-up would rewrite " ." to "." and break the round trip.
         clean_up_tokenization_spaces=False,

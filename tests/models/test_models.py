@@ -76,9 +76,10 @@ def test_saved_directory_loads_offline_with_auto_classes(tmp_path: Path) -> None
     assert len(tokenizer) == loaded.config.vocab_size == model.config.vocab_size
     assert tokenizer.eos_token == "<|im_end|>"
     assert tokenizer.eos_token_id == loaded.config.eos_token_id
-    assert (
-        json.loads((path / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
-    )
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAT_TEMPLATE
+    assert config["additional_special_tokens"] == ["<|im_start|>"]
+    assert sorted(tokenizer.all_special_ids) == [0, 1, 2, 3]
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )

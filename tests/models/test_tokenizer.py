@@ -5,6 +5,7 @@ The tokenizers are checked as clients see them: saved, then loaded with ``AutoTo
 
 from __future__ import annotations
 
+import random
 import time
 from functools import cache
 from pathlib import Path
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from flowprefill.models import SIZES
+from flowprefill.models import SIZES, named_model_dir
 from flowprefill.models.tokenizer import (
     CHAT_TEMPLATE,
     MAX_VOCAB_SIZE,
@@ -135,6 +136,7 @@ def test_chat_template_and_special_token_roles(root: Path) -> None:
         "<unk>",
     )
     assert tokenizer.bos_token is None
+    assert sorted(tokenizer.all_special_ids) == [0, 1, 2, 3]
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "hi"},
@@ -167,3 +169,51 @@ def test_encoding_a_long_prompt_is_cheap(root: Path) -> None:
     elapsed = time.perf_counter() - start
     assert len(ids) == 32768
     assert elapsed < 0.5, elapsed
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_vllms_incremental_detokenizer_streams_exactly_the_decoded_text(
+    skip_special_tokens: bool, tmp_path: Path
+) -> None:
+    """What vLLM streams, piece by piece, joins to ``tokenizer.decode(ids)`` (the pieces are
+    what a client such as aiperf joins and re-encodes)."""
+    pytest.importorskip("vllm")
+    from vllm.sampling_params import SamplingParams
+    from vllm.tokenizers import get_tokenizer
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.detokenizer import (
+        FastIncrementalDetokenizer,
+        IncrementalDetokenizer,
+        SlowIncrementalDetokenizer,
+    )
+
+    model_dir = named_model_dir("tiny-llama", cache_dir=tmp_path)
+    tokenizer = get_tokenizer(str(model_dir))
+    rng = random.Random(0)
+    params = SamplingParams.from_optional(skip_special_tokens=skip_special_tokens)
+    for case in range(20):
+        # Mostly characters, some special tokens (ids 0-3) mixed in.
+        ids = [rng.choice((rng.randrange(4), rng.randrange(2048))) for _ in range(50)]
+        request = EngineCoreRequest(
+            request_id=f"r{case}",
+            prompt_token_ids=tokenizer.encode("a prompt"),
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+        detokenizers = [
+            IncrementalDetokenizer.from_new_request(tokenizer, request),
+            SlowIncrementalDetokenizer(tokenizer, request),
+        ]
+        assert isinstance(detokenizers[0], FastIncrementalDetokenizer)  # what vLLM uses
+        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        for detokenizer in detokenizers:
+            pieces = []
+            for token_id in ids:
+                detokenizer.update([token_id], stop_terminated=False)
+                pieces.append(detokenizer.get_next_output_text(finished=False, delta=True))
+            assert "".join(pieces) == expected, type(detokenizer).__name__
