@@ -102,6 +102,23 @@ def test_misses_scale_prefill_up_to_max_through_scale(
     )
 
 
+def test_colocated_pool_scales_on_attainment_as_prefill(
+    cluster: Cluster, gateway: FakeGateway
+) -> None:
+    """A colocated pool takes the prefill policy (TTFT attainment), not decode's TPOT:
+    misses with fast tokens still scale it up (docs/operator.md, Colocated pools)."""
+    ns = "as-colocated"
+    start(cluster, ns, gateway, "m", autoscaled("m-colo", "m", role="colocated"))
+    gateway.add("chat", met=50, missed=50)
+    wait_for(lambda: replicas(cluster, ns, "m-colo") == 3, 30, "scaled up to max")
+    status = autoscaler_status(cluster, ns, "m-colo")
+    assert status["driver"] == "chat" and status["lastScaleUpTime"]
+    wait_for(
+        lambda: cluster.get("Deployment", ns, "m-colo")["spec"]["replicas"] == 3,
+        what="the Deployment follows the pool",
+    )
+
+
 def test_cooldown_holds_a_second_scale_up(cluster: Cluster, gateway: FakeGateway) -> None:
     ns = "as-cooldown"
     start(
