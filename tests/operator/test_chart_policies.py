@@ -23,6 +23,7 @@ from flowprefill_operator.builders import (
     judge_classes,
 )
 from flowprefill_operator.builders.common import ROLE_LABEL
+from flowprefill_operator.colocated import HEALTH_PORT as COLOCATED_HEALTH_PORT
 from flowprefill_operator.models import ServingPoolSpec, SLOClassSpec
 from flowprefill_operator.settings import OperatorSettings
 
@@ -176,14 +177,63 @@ def test_who_may_reach_whom_in_namespaced_mode() -> None:
     assert ok(CLIENT, operator, probe_port) and not ok(CLIENT, operator, 9999)
 
 
+def colocated_pod(namespace: str) -> tuple[Pod, dict[str, int]]:
+    """A colocated pool's pod as the builders label it, and its container ports by name."""
+    spec = ServingPoolSpec.model_validate(
+        {"service": "m", "role": "colocated", "model": {"path": "/models/m"},
+         "kvHandoff": {"transport": "http"}}
+    )  # fmt: skip
+    children = build_pool_children(PoolRef("m-colo", namespace, "uid-c", spec), OperatorSettings())
+    (dep,) = (m for m in children if m["kind"] == "Deployment")
+    template = dep["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    return Pod(namespace, dict(template["metadata"]["labels"])), ports
+
+
+def test_colocated_pods_take_what_prefill_and_decode_pods_take() -> None:
+    nps = policies(*NAMESPACED)
+    a = pods("team-a")
+    colo, ports = colocated_pod("team-a")
+    assert ports == {"http": PREFILL_PORT, "decode": DECODE_PORT, "kv": PREFILL_KV_PORT,
+                     "health": COLOCATED_HEALTH_PORT}  # fmt: skip
+    selecting = [p["metadata"]["name"] for p in nps if p["metadata"]["namespace"] == "team-a"
+                 and selects(p["spec"]["podSelector"], colo.labels)]  # fmt: skip
+    assert selecting == ["fp-flowprefill-colocated"]
+    gw, prefill, decode = a["gateway"][0], a["prefill"][0], a["decode"][0]
+    stranger = Pod("team-a", {"app": "something-else"})
+
+    def ok(src: Pod, dst: Pod, port: int, docs: list[Manifest] = nps) -> bool:
+        return allowed(docs, src, dst, port)
+
+    # The gateway calls both of its APIs; nobody else does.
+    assert ok(gw, colo, PREFILL_PORT) and ok(gw, colo, DECODE_PORT)
+    for src in (CLIENT, stranger, pods("team-b")["gateway"][0]):
+        assert not ok(src, colo, PREFILL_PORT) and not ok(src, colo, DECODE_PORT), src
+    # Hand-offs over http: its decode pulls from prefill pods and other colocated pods;
+    # decode pods pull from it; the gateway never reaches a KV port.
+    other_colo = Pod("team-a", dict(colo.labels))
+    assert ok(colo, prefill, PREFILL_KV_PORT) and ok(other_colo, colo, PREFILL_KV_PORT)
+    assert ok(decode, colo, PREFILL_KV_PORT) and not ok(gw, colo, PREFILL_KV_PORT)
+    # nixl: every TCP port both ways with prefill and decode pods, and between colocated.
+    for peer in (prefill, decode, other_colo):
+        assert ok(peer, colo, 5600) and ok(colo, peer, 5700), peer
+    http_only = policies(*NAMESPACED, "--set", "networkPolicy.kvOverNixl=false")
+    assert not ok(decode, colo, 5600, http_only) and not ok(colo, decode, 5700, http_only)
+    # The kubelet probes the launcher (status only); Prometheus scrapes both processes.
+    assert ok(stranger, colo, COLOCATED_HEALTH_PORT)
+    assert ok(PROMETHEUS, colo, PREFILL_PORT) and ok(PROMETHEUS, colo, DECODE_PORT)
+    assert not ok(stranger, colo, 5600)
+
+
 def test_policies_exist_in_every_watched_namespace_and_validate() -> None:
     nps = policies(*NAMESPACED)
     where = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in nps}
     for ns in ("team-a", "team-b"):
-        for role in PORTS:
+        for role in [*PORTS, "colocated"]:
             assert (ns, f"fp-flowprefill-{role}") in where
     assert (RELEASE_NAMESPACE, "fp-flowprefill-operator") in where
-    assert len(nps) == 7
+    assert len(nps) == 9  # four per watched namespace (gateway, prefill, decode, colocated)
     for p in nps:
         kubernetes_validate.validate(p, "1.33", strict=True)
 
@@ -367,6 +417,7 @@ def test_chart_ports_are_the_contracts(repo_root: Path) -> None:
         ("prefillPort", PREFILL_PORT),
         ("decodePort", DECODE_PORT),
         ("prefillKvPort", PREFILL_KV_PORT),
+        ("colocatedHealthPort", COLOCATED_HEALTH_PORT),
     ):
         assert f'define "flowprefill.{name}" -}}}}{port}{{{{' in helpers, name
     assert (repo_root / "charts" / "flowprefill") == CHART

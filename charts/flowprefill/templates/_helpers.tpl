@@ -178,6 +178,8 @@ also serve KV hand-offs to decode on prefillKvPort. */}}
 {{- define "flowprefill.prefillPort" -}}8100{{- end -}}
 {{- define "flowprefill.decodePort" -}}8200{{- end -}}
 {{- define "flowprefill.prefillKvPort" -}}8300{{- end -}}
+{{/* The launcher's probe port in a colocated pool's pods (flowprefill_operator.colocated). */}}
+{{- define "flowprefill.colocatedHealthPort" -}}8400{{- end -}}
 
 {{/* Namespaces that get the workload NetworkPolicies: the watched ones in namespaced mode;
 networkPolicy.namespaces (else the release namespace) in cluster mode, where the chart
