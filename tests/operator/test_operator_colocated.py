@@ -114,6 +114,9 @@ def test_one_container_one_gpu_both_processes_and_the_memory_split() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] == 900 + 1800
     # Both drain after one SIGTERM; the pod waits for the slower (decode's 300 s).
     assert pod["terminationGracePeriodSeconds"] == PRESTOP_SLEEP_S + 300 + GRACE_MARGIN_S
+    # Rollouts as for a GPU pool (no surge beyond its GPUs); the deadline covers both loads.
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert dep["spec"]["progressDeadlineSeconds"] == 900 + 1800 + 600
 
 
 def test_nixl_inside_the_pod() -> None:
