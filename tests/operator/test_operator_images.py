@@ -178,3 +178,47 @@ def test_decode_processes_turn_usage_statistics_off(cpu: bool) -> None:
     decode = SPEC.model_copy(update={"role": "decode", "engine": None})
     # The operator's decode container, whatever image the user runs it on.
     assert USAGE_STATS_OFF.items() <= pool_process(decode).env.items()
+
+
+def test_colocated_command_runs_in_the_decode_image() -> None:
+    """A colocated pod runs the decode image: the project is installed there from /src with
+    the operator's package (the launcher), the launcher imports nothing the image lacks
+    (no kopf, no kubernetes client), and the prefill command it runs parses with the CLI."""
+    import subprocess
+
+    from flowprefill_operator.builders import PoolRef, build_pool_children
+    from flowprefill_operator.colocated import LAUNCHER_MODULE, LaunchSpec
+    from flowprefill_operator.settings import OperatorSettings
+
+    steps = instructions(ROOT / "images" / "decode" / "Dockerfile")
+    assert ("COPY", "operator /src/operator") in steps
+    assert any(w == "RUN" and "pip install" in r and " /src" in r for w, r in steps)
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert "operator" in find["find"]["where"]
+    assert "flowprefill_operator*" in find["find"]["include"]
+    spec = ServingPoolSpec.model_validate(
+        {"service": "s", "role": "colocated", "model": {"path": "/m"}}
+    )
+    children = build_pool_children(PoolRef("s-colo", "ns", "u", spec), OperatorSettings())
+    (container,) = children[1]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == OperatorSettings().decode_image
+    command = container["command"]
+    assert command[:4] == ["python", "-m", LAUNCHER_MODULE, "run"]
+    launch = LaunchSpec.parse(command[4])
+    assert launch.prefill.argv[0] == "flowprefill"
+    _cli_accepts(launch.prefill.argv[1:])
+    assert launch.decode.argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    probe = (
+        f"import sys, {LAUNCHER_MODULE}; "
+        "print(sorted(m for m in ('kopf', 'kubernetes', 'pydantic', 'flowprefill') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={"PYTHONPATH": str(ROOT / "operator")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]"
