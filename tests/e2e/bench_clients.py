@@ -17,7 +17,9 @@ Contracts:
 - A failed install (no network, a pin that cannot resolve) raises :class:`InstallError`
   carrying pip's output: a test fails on it, it never skips.
 - Only a missing interpreter is a skip: :class:`NoPythonError` (inference-perf needs a
-  CPython 3.12: ``$FLOWPREFILL_PYTHON312``, ``python3.12`` on PATH, or pyenv's).
+  CPython 3.12: ``$FLOWPREFILL_PYTHON312``, ``python3.12`` on PATH, or pyenv's;
+  guidellm a CPython 3.11, the one torch's CPU build on disk is for: the running one,
+  else ``python3.11`` on PATH or pyenv's).
 - Progress (each step, pip's own lines, the elapsed time) goes to stdout as it happens,
   so ``pytest -s`` shows a long first install moving.
 """
@@ -70,8 +72,11 @@ class Client:
 
 CLIENTS: dict[str, Client] = {
     # torch pinned in the same command: guidellm asks for plain torch, which would
-    # otherwise resolve to PyPI's newest (a CUDA build, several GB).
-    "guidellm": Client("guidellm", ("torch==2.13.0", "guidellm==0.8.1"), "guidellm"),
+    # otherwise resolve to PyPI's newest (a CUDA build, several GB). The CPU build on
+    # this machine's disk is for CPython 3.11 only, hence that Python.
+    "guidellm": Client(
+        "guidellm", ("torch==2.13.0", "guidellm==0.8.1"), "guidellm", python=(3, 11)
+    ),
     "aiperf": Client("aiperf", ("aiperf==0.13.0",), "aiperf"),
     "inference-perf": Client(
         "inference-perf", ("inference-perf==0.7.0",), "inference-perf", python=(3, 12)
@@ -106,9 +111,10 @@ def find_python(version: tuple[int, int] | None) -> str:
     for candidate in candidates:
         if candidate and Path(candidate).exists() and _is_python(candidate, version):
             return candidate
+    where = f"${PYTHON312_VAR}, " if version == (3, 12) else ""
     raise NoPythonError(
-        f"no CPython {dotted} on this machine (looked at ${PYTHON312_VAR}, python{dotted} "
-        f"on PATH, {pyenv_root}/versions/{dotted}*): pyenv install {dotted}"
+        f"no CPython {dotted} on this machine (looked at {where}python{dotted} on PATH, "
+        f"{pyenv_root}/versions/{dotted}*): pyenv install {dotted}"
     )
 
 
