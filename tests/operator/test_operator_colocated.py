@@ -157,6 +157,18 @@ def test_http_transport_advertises_the_pod_ip_through_the_launch_spec() -> None:
     # The kubelet expands $(POD_IP) in the command only when the container defines it.
     assert env_names(container)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert {p["name"] for p in container["ports"]} >= {"kv", "http", "decode"}
+    # Prefill's hand-offs and decode's pulled copies in directories of their own (the
+    # same file names), each an emptyDir of the hand-off size; the pod requests both.
+    args = launch.decode.argv
+    cache = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert cache["cache_dir"] == mounts["kv-pulled"] == mounts["kv"] + "-pulled"
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    size = volumes["kv"]["emptyDir"]["sizeLimit"]
+    assert volumes["kv-pulled"]["emptyDir"]["sizeLimit"] == size
+    assert size.endswith("Mi")
+    assert container["resources"]["requests"]["ephemeral-storage"] == f"{2 * int(size[:-2])}Mi"
+    kubernetes_validate.validate(dep, "1.33", strict=True)
 
 
 def test_cpu_colocated_pool_has_no_gpu_and_no_memory_split() -> None:

@@ -196,7 +196,6 @@ def prefill_pool_process(spec: ServingPoolSpec) -> ProcessSpec:
 def decode_pool_process(spec: ServingPoolSpec) -> ProcessSpec:
     """vLLM of a decode or colocated pod (:func:`pool_process`); in a colocated pod on GPUs
     with ``--gpu-memory-utilization`` of ``colocated.decodeMemoryFraction``."""
-    kv = spec.kv
     transport = _transport(spec)
     is_nixl = transport is KVTransport.NIXL
     memory = (
@@ -209,7 +208,7 @@ def decode_pool_process(spec: ServingPoolSpec) -> ProcessSpec:
         model_path=model_dir(spec.model),
         port=DECODE_PORT,
         kv_transport=transport,
-        kv_path=kv.mount_path if kv and not is_nixl else None,
+        kv_path=decode_kv_path(spec),
         cpu=spec.resources.gpus_per_pod == 0,
         tensor_parallel_size=spec.vllm_settings.tensor_parallel_size,
         extra_args=[
@@ -301,7 +300,29 @@ def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[st
         volume: dict[str, Any] = {"name": "kv", "emptyDir": {"sizeLimit": kv_volume_size(kv)}}
     else:
         volume = {"name": "kv", "persistentVolumeClaim": {"claimName": kv.claim_name}}
-    return [volume], [{"name": "kv", "mountPath": kv.mount_path}]
+    volumes, mounts = [volume], [{"name": "kv", "mountPath": kv.mount_path}]
+    if kv.transport == "http" and spec.role == "colocated":
+        # Decode's cache of pulled hand-offs, apart from prefill's own: the same file
+        # names (<id>.kv.safetensors) would otherwise land on each other, as `flowprefill
+        # up` keeps them apart too.
+        volumes.append({"name": PULLED_VOLUME, "emptyDir": {"sizeLimit": kv_volume_size(kv)}})
+        mounts.append({"name": PULLED_VOLUME, "mountPath": decode_kv_path(spec)})
+    return volumes, mounts
+
+
+PULLED_VOLUME = "kv-pulled"
+
+
+def decode_kv_path(spec: ServingPoolSpec) -> str | None:
+    """Decode's hand-off directory: the shared claim's mount (sharedDir), its cache of
+    pulled hand-offs (http: in a colocated pod ``<mountPath>-pulled``, beside prefill's
+    ``mountPath``), none with nixl or without a hand-off."""
+    kv = spec.kv
+    if kv is None or kv.transport == "nixl":
+        return None
+    if kv.transport == "http" and spec.role == "colocated":
+        return f"{kv.mount_path.rstrip('/')}-pulled"
+    return kv.mount_path
 
 
 def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
@@ -318,7 +339,10 @@ def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
     if spec.kv is not None and spec.kv.transport == "http":
         # The hand-off emptyDir lives on the node's disk: schedule where it fits. A request
         # only: the emptyDir's sizeLimit already bounds it, and the budget keeps it below.
-        resources["requests"]["ephemeral-storage"] = kv_volume_size(spec.kv)
+        size = kv_volume_size(spec.kv)
+        if spec.role == "colocated":  # prefill's hand-offs and decode's pulled copies
+            size = f"{-(-2 * int(quantity_value(size)) // 2**20)}Mi"
+        resources["requests"]["ephemeral-storage"] = size
     return resources if amounts or resources["requests"] else {}
 
 
