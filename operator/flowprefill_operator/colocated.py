@@ -179,7 +179,9 @@ class Launcher:
         self.spec = spec
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
-        self._lock = threading.Lock()
+        # Re-entrant: the SIGTERM handler runs on the main thread, possibly while that
+        # thread holds the lock.
+        self._lock = threading.RLock()
 
     # --- probes ---------------------------------------------------------------------------
     def _all_answer(self, ready: bool) -> tuple[bool, str]:
@@ -232,6 +234,8 @@ class Launcher:
         proc = subprocess.Popen(child.command(), env={**os.environ, **child.env})
         with self._lock:
             self.procs[child.name] = proc
+        if self.stopping.is_set():  # SIGTERM came while it was starting: it drains too
+            proc.send_signal(signal.SIGTERM)
 
     def _signal_all(self, sig: signal.Signals) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -409,6 +410,27 @@ def test_launcher_exits_when_prefill_dies_before_decode_starts(tmp_path: Path) -
     proc = start_launcher(spec)
     try:
         assert proc.wait(timeout=30) == 1  # an exit of 0 is unexpected too
+        assert not (tmp_path / "decode.started").exists()
+    finally:
+        stop(proc)
+
+
+def test_sigterm_before_decode_starts_stops_prefill_and_never_starts_decode(
+    tmp_path: Path,
+) -> None:
+    p_port, d_port, h_port = free_port(), free_port(), free_port()
+    spec = LaunchSpec(
+        prefill=child("prefill", p_port, tmp_path, "--ready-after", "60"),
+        decode=child("decode", d_port, tmp_path),
+        health_port=h_port,
+    )
+    proc = start_launcher(spec)
+    try:
+        wait_for(lambda: (tmp_path / "prefill.started").exists(), what="prefill started")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert (tmp_path / "prefill.sigterm").exists()
+        time.sleep(1)  # a poll round after the exit: nothing starts decode late
         assert not (tmp_path / "decode.started").exists()
     finally:
         stop(proc)
