@@ -16,8 +16,10 @@ request); one gone mid-stream closes its decode stream. Every answer carries the
 used (``x-flowprefill-slo-class``), and a fallback note when the request asked for a
 class, priority or TTFT target it did not get (unknown, or not its to claim). Also
 ``GET /v1/models``, vLLM's ``POST /tokenize`` and ``/detokenize``
-(:mod:`flowprefill.gateway.tokens`), ``/health``, ``/ready`` (503 with no healthy
-prefill instance) and ``/metrics``; the SLO table is re-read when its file changes.
+(:mod:`flowprefill.gateway.tokens`), vLLM's ``GET /version`` (FlowPrefill's version),
+``/health``, ``/ready`` (503 with no healthy prefill instance) and ``/metrics``, and
+``HEAD`` wherever ``GET`` is served (:mod:`flowprefill.gateway.asgi`); the SLO table is
+re-read when its file changes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Annotated, Any
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from flowprefill import __version__
 from flowprefill.contracts.deployment import SLO_CLASS_USED_HEADER, SLO_FALLBACK_HEADER
 from flowprefill.contracts.gateway import HealthProbeSettings
 from flowprefill.gateway import tokens
@@ -195,6 +198,15 @@ def create_gateway_app(state: GatewayState) -> GatewayApp:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return models_body(state.model_name)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's ``/version`` shape, ``{"version": ...}``, with FlowPrefill's version: the
+        answers (first token, fields served, errors, usage) are the gateway's, not any one
+        vLLM's, and the decode instances behind it may run different vLLM versions (or
+        none may be up); a client that keys behaviour on the version must not take this
+        for a vLLM server's."""
+        return {"version": __version__}
 
     add_probe_routes(
         app,

@@ -17,6 +17,8 @@ What stays identical, by construction:
   replayed (messages, then the exception ``receive`` raised: a body over the limit, a
   body deadline): FastAPI answers it with its own errors and handlers.
 - The endpoint's work is the same function the FastAPI routes call (``serve``).
+- ``HEAD`` on any path is answered as the FastAPI app answers ``GET`` there, without
+  the body (:mod:`flowprefill.web.head`: FastAPI's ``GET`` routes have no ``HEAD``).
 - Exceptions go to the FastAPI app's own exception handlers (looked up by class, as
   Starlette's ``ExceptionMiddleware`` does, with the same rule once the answer started),
   and one no handler takes is answered and logged as
@@ -40,6 +42,7 @@ from starlette.types import ExceptionHandler, Message, Receive, Scope, Send
 
 from flowprefill.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from flowprefill.web.errors import error_response, log_unexpected
+from flowprefill.web.head import head_as_get, is_head
 
 Body = CompletionRequest | ChatCompletionRequest
 Serve = Callable[[Request, Body, str], Awaitable[Response]]
@@ -96,6 +99,8 @@ class GatewayApp:
             and not scope.get("root_path")
         ):
             await self._direct(scope, receive, send)
+        elif is_head(scope):
+            await head_as_get(self.app, scope, receive, send)
         else:
             await self.app(scope, receive, send)
 

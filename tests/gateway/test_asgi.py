@@ -29,7 +29,7 @@ from flowprefill.gateway.asgi import GatewayApp
 from flowprefill.gateway.cli import build_state
 from flowprefill.models import named_model_dir
 from flowprefill.web.errors import BodySizeLimit
-from tests.helpers import free_port
+from tests.helpers import free_port, serve_in_thread
 
 MAX_BODY = 16384
 
@@ -178,3 +178,43 @@ async def test_other_routes_go_to_fastapi(state: GatewayState) -> None:
         r = await c.post("/v1/completions/", json=COMPLETION, follow_redirects=False)
         assert r.status_code == 307
     assert spy.calls == 3
+
+
+GET_ROUTES = ["/metrics", "/v1/models", "/health", "/ready", "/version", "/openapi.json"]
+
+
+async def test_version_is_flowprefills_in_vllms_shape(state: GatewayState) -> None:
+    from flowprefill import __version__
+
+    transport = httpx.ASGITransport(app=create_gateway_app(state))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        r = await c.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": __version__}
+
+
+def test_head_answers_as_get_without_a_body(state: GatewayState) -> None:
+    """Through a real server (uvicorn sends no HEAD body itself; the app must not try):
+    every GET route, and paths GET does not serve (their 404 / 405), answer HEAD with GET's
+    status and headers and no body."""
+    with serve_in_thread(create_gateway_app(state)) as url, httpx.Client(base_url=url) as c:
+        for path in [*GET_ROUTES, "/nowhere", "/v1/completions", "/tokenize"]:
+            head, get = c.head(path), c.get(path)
+            assert head.status_code == get.status_code, path
+            assert head.content == b"", path
+            assert get.content, path
+            for name in ("content-type", "content-length", "allow"):
+                if path == "/metrics" and name == "content-length":
+                    continue  # the counters move between the two requests
+                assert head.headers.get(name) == get.headers.get(name), (path, name)
+        assert c.head("/metrics").headers["content-type"].startswith("text/plain")
+        assert c.head("/v1/completions").status_code == 405
+
+
+async def test_head_in_process_sends_no_body(state: GatewayState) -> None:
+    """The app itself sends an empty body for HEAD (not only uvicorn's dropping it)."""
+    transport = httpx.ASGITransport(app=create_gateway_app(state))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        for path in GET_ROUTES:
+            head, get = await c.head(path), await c.get(path)
+            assert (head.status_code, head.content) == (get.status_code, b""), path
+            assert head.headers["content-type"] == get.headers["content-type"], path
