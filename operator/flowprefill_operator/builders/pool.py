@@ -306,7 +306,7 @@ def kv_volume(spec: ServingPoolSpec) -> tuple[list[dict[str, Any]], list[dict[st
         # names (<id>.kv.safetensors) would otherwise land on each other, as `flowprefill
         # up` keeps them apart too.
         volumes.append({"name": PULLED_VOLUME, "emptyDir": {"sizeLimit": kv_volume_size(kv)}})
-        mounts.append({"name": PULLED_VOLUME, "mountPath": decode_kv_path(spec)})
+        mounts.append({"name": PULLED_VOLUME, "mountPath": pulled_path(kv.mount_path)})
     return volumes, mounts
 
 
@@ -321,8 +321,13 @@ def decode_kv_path(spec: ServingPoolSpec) -> str | None:
     if kv is None or kv.transport == "nixl":
         return None
     if kv.transport == "http" and spec.role == "colocated":
-        return f"{kv.mount_path.rstrip('/')}-pulled"
+        return pulled_path(kv.mount_path)
     return kv.mount_path
+
+
+def pulled_path(mount_path: str) -> str:
+    """A colocated pod's directory of pulled hand-offs, beside prefill's ``mount_path``."""
+    return f"{mount_path.rstrip('/')}-pulled"
 
 
 def _resources(spec: ServingPoolSpec) -> dict[str, Any]:
