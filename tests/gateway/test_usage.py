@@ -253,3 +253,113 @@ async def test_cached_tokens_absent_unless_decode_reports_them_for_the_client(
     assert "kv_transfer_params" in up.decode_bodies[-1]
     assert whole["usage"]["completion_tokens"] == 6
     assert "prompt_tokens_details" not in whole["usage"]
+
+
+MSGS = [{"role": "user", "content": "Hi there"}]
+CLIENT_BODIES = {
+    "guidellm-completions": (
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "The quick",
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": GUIDELLM,
+        },
+    ),
+    "guidellm-chat": (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": MSGS,
+            "max_completion_tokens": 4,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": GUIDELLM,
+        },
+    ),
+    "inference-perf-completions": (
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "The quick",
+            "max_tokens": 4,
+            "ignore_eos": False,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "add_special_tokens": True,
+        },
+    ),
+    "inference-perf-chat": (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": MSGS, "max_tokens": 4, "ignore_eos": False, "stream": False},
+    ),
+    "aiperf-chat": (
+        "/v1/chat/completions",
+        {
+            "messages": MSGS,
+            "model": "tiny",
+            "stream": True,
+            "max_completion_tokens": 4,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    "vllm-bench-completions": (
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "The quick",
+            "repetition_penalty": 1.0,
+            "max_tokens": 4,
+            "logprobs": None,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        },
+    ),
+    "vllm-bench-chat": (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            "max_completion_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        },
+    ),
+}
+"""The bodies the benchmark clients build by default (docs/gateway.md, "What benchmark
+clients send"), with the headers below."""
+CLIENT_HEADERS = {
+    "authorization": "Bearer sk-none",
+    "x-request-id": "client-1",
+    "x-correlation-id": "c-1",
+    "user-agent": "aiperf/0.13.0",
+}
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "fastapi"])
+@pytest.mark.parametrize("client", list(CLIENT_BODIES))
+async def test_benchmark_clients_bodies_are_served(
+    state: GatewayState, up: Upstream, client: str, direct: bool
+) -> None:
+    path, body = CLIENT_BODIES[client]
+    gateway = create_gateway_app(state)
+    transport = httpx.ASGITransport(app=gateway if direct else gateway.app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            r = await c.post(path, json=body, headers=CLIENT_HEADERS)
+    finally:
+        await state.prefill_client.http.aclose()
+    if not body["stream"]:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        return
+    *chunks, last = _events(r)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert last["usage"]["completion_tokens"] == 4
+    # The client's request id is not the answer's (docs/gateway.md: it names the hand-off).
+    assert "client-1" not in last["id"]
+    assert all(("usage" in c) == (body["stream_options"] == GUIDELLM) for c in chunks)
