@@ -47,9 +47,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# Inclusive code-point ranges, in vocabulary order. All fully assigned since Unicode 1.1
-# (Hangul syllables since 2.0); the two holes listed in _EXCLUDED are not characters one
-# wants (U+00AD soft hyphen is invisible; U+03A2 is unassigned).
+# Inclusive code-point ranges, in vocabulary order. All assigned since Unicode 3.2 (2002)
+# at the latest (most since 1.1; Hangul syllables 2.0; U+3095-U+3096 3.2), and listed
+# here rather than read from ``unicodedata``, so no Python version changes the ids. The
+# two holes in _EXCLUDED: U+00AD soft hyphen is invisible, U+03A2 is unassigned.
 _CHAR_RANGES: tuple[tuple[int, int], ...] = (
     (0x0020, 0x007E),  # ASCII printable
     (0x00A1, 0x00FF),  # Latin-1 Supplement (no NBSP)
