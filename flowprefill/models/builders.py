@@ -128,8 +128,26 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    _silence_special_tokens(model)
     model.eval()
     return model
+
+
+def _silence_special_tokens(model: PreTrainedModel) -> None:
+    """Zero the LM head's rows of the special tokens (end of text, the chat markers,
+    unknown), so that a greedy pick never chooses one: each has logit 0 while the largest
+    of the other random logits is positive. A trained model does not emit padding or
+    ``<unk>`` mid-answer; a random one would, and a special token is generated without
+    text (``skip_special_tokens``), so a client that counts the tokens of the streamed
+    text (aiperf, inference-perf) would count fewer than the server generated. With the
+    greedy default of :func:`flowprefill.models.loader.save_model_dir` the built-in
+    models' answers carry every generated token as text; it also means they never stop
+    at end of text before ``max_tokens``."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):  # an invariant of the built-in families
+        raise AssertionError(f"unexpected LM head {type(head).__name__}")
+    with torch.no_grad():
+        head.weight[list(special_token_ids().values())] = 0.0
 
 
 def build_named(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -49,10 +49,14 @@ def save_model_dir(model: PreTrainedModel, path: str | os.PathLike[str]) -> Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     model.save_pretrained(tmp, safe_serialization=True)
     ids = special_token_ids()
+    # Greedy by default: vLLM takes a request's unset sampling fields from here (it reads
+    # top_k, not do_sample), so decode picks tokens as the prefill engine does (argmax)
+    # and a client that sends no temperature gets a reproducible answer.
     GenerationConfig(
         eos_token_id=[ids[IM_END], model.config.pad_token_id],
         pad_token_id=model.config.pad_token_id,
-        do_sample=False,
+        do_sample=True,
+        top_k=1,
     ).save_pretrained(tmp)
     tokenizer = train_tokenizer(model.config.vocab_size)
     tokenizer.save_pretrained(tmp)

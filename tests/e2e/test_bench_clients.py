@@ -72,6 +72,19 @@ def venv_of(name: str) -> Path:
         pytest.fail(f"installing {name} failed:\n{e}", pytrace=False)
 
 
+def template_overhead(stack: Stack) -> int:
+    """Tokens the served chat template adds around one user message (with the assistant
+    turn opened), counted with the served tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stack.model_dir)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False
+    )
+    assert isinstance(text, str)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
 def run_tool(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
     """Run a client to completion; its output, or a failure showing the end of it."""
     done = subprocess.run(
@@ -100,16 +113,20 @@ def assert_server_counted(
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_guidellm_runs_against_the_gateway(stack: Stack) -> None:
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_guidellm_runs_against_the_gateway(stack: Stack, endpoint: str) -> None:
+    """``chat`` is guidellm's default request format (nothing passed for it)."""
     venv = venv_of("guidellm")
-    out = stack.tmp / "guidellm"
+    out = stack.tmp / f"guidellm-{endpoint}"
     out.mkdir()
     before = ServerCounts.read(stack)
+    backend = f"kind=openai_http,target={stack.url},model={MODEL}"
+    if endpoint == "completions":
+        backend += ",request_format=/v1/completions"
     # fmt: off
     argv = [
         str(venv / "bin" / "guidellm"), "run",
-        "--backend", f"kind=openai_http,target={stack.url},model={MODEL},"
-                     "request_format=/v1/completions",
+        "--backend", backend,
         "--tokenizer", f"kind=huggingface_auto,model={stack.model_dir}",
         "--profile", "kind=constant,rate=4",
         "--constraint", f"kind=max_requests,count={REQUESTS}",
@@ -129,26 +146,31 @@ def test_guidellm_runs_against_the_gateway(stack: Stack) -> None:
     successful: list[dict[str, Any]] = requests["successful"]
     assert len(successful) == REQUESTS, output[-4000:]
     # guidellm reports the server's usage as its counts: each prompt it built to 64
-    # tokens with the served tokenizer is 64 tokens to the server, and each answer has
-    # the 8 tokens asked for (guidellm sends ignore_eos), one streamed chunk each.
+    # tokens with the served tokenizer is 64 tokens to the server (plus the chat
+    # template's tokens over chat), and each answer has the 8 tokens asked for (guidellm
+    # sends ignore_eos), one streamed chunk each.
     prompts = [r["prompt_tokens"] for r in successful]
     outputs = [r["output_tokens"] for r in successful]
-    assert prompts == [PROMPT_TOKENS] * REQUESTS
+    overhead = template_overhead(stack) if endpoint == "chat" else 0
+    assert prompts == [PROMPT_TOKENS + overhead] * REQUESTS
     assert outputs == [OUTPUT_TOKENS] * REQUESTS
     assert [r["info"]["timings"]["token_iterations"] for r in successful] == outputs
     assert_server_counted(stack, before, prompts, outputs)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_aiperf_runs_against_the_gateway(stack: Stack) -> None:
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_aiperf_runs_against_the_gateway(stack: Stack, endpoint: str) -> None:
+    """``chat`` is aiperf's default endpoint type (nothing passed for it)."""
     venv = venv_of("aiperf")
-    out = stack.tmp / "aiperf"
+    out = stack.tmp / f"aiperf-{endpoint}"
     before = ServerCounts.read(stack)
+    endpoint_args = ["--endpoint-type", "completions"] if endpoint == "completions" else []
     # fmt: off
     argv = [
         str(venv / "bin" / "aiperf"), "profile",
         "--model", MODEL, "--url", stack.url,
-        "--endpoint-type", "completions", "--streaming",
+        *endpoint_args, "--streaming",
         "--tokenizer", str(stack.model_dir),
         "--isl", str(PROMPT_TOKENS), "--osl", str(OUTPUT_TOKENS),
         "--request-count", str(REQUESTS), "--request-rate", "4",
@@ -175,13 +197,15 @@ def test_aiperf_runs_against_the_gateway(stack: Stack) -> None:
     assert [r for r in records if r.get("error")] == []
     metrics = [{k: v["value"] for k, v in r["metrics"].items()} for r in records]
     # Per request: aiperf's own counts (its tokenizer on the prompt it built, and on the
-    # streamed text joined) equal the usage the server returned.
+    # streamed text joined) equal the usage the server returned. Over chat aiperf counts
+    # the message's content; the server also counts the chat template around it.
+    overhead = template_overhead(stack) if endpoint == "chat" else 0
     prompts = [m["input_sequence_length"] for m in metrics]
     outputs = [m["output_sequence_length"] for m in metrics]
-    assert prompts == [m["usage_prompt_tokens"] for m in metrics]
+    assert [p + overhead for p in prompts] == [m["usage_prompt_tokens"] for m in metrics]
     assert outputs == [m["usage_completion_tokens"] for m in metrics]
     assert prompts == [PROMPT_TOKENS] * REQUESTS
-    assert_server_counted(stack, before, prompts, outputs)
+    assert_server_counted(stack, before, [p + overhead for p in prompts], outputs)
 
 
 INFERENCE_PERF_CONFIG = """\
