@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,8 +19,29 @@ import httpx
 import uvicorn
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port below the kernel's ephemeral range: the kernel never hands such a port
+    to an outbound connection, so a server killed and restarted on it (the fault tests)
+    finds it free again, where a port from the ephemeral range may meanwhile be taken by
+    any process's connection ("address already in use")."""
+    top = _ephemeral_start()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(top - 12000, 1024), top)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free down there: any port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
