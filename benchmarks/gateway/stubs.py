@@ -69,10 +69,16 @@ class Hold:
 async def decode_events(body: dict[str, Any], hold: Hold | None = None) -> AsyncIterator[str]:
     """vLLM's OpenAI completion stream: one chunk per token, the usage chunk when
     ``stream_options.include_usage`` asks for it (the gateway reads the completion tokens
-    from it), ``[DONE]``. With ``hold``, the stream waits at its gate after the first chunk
+    from it) and the counts so far in every chunk when ``continuous_usage_stats`` is set
+    too, ``[DONE]``. With ``hold``, the stream waits at its gate after the first chunk
     (counted in ``hold.open`` meanwhile)."""
     n = min(DECODE_TOKENS, int(body.get("max_tokens", 1)))
     envelope = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub"}
+    options = body.get("stream_options") or {}
+    include_usage = bool(options.get("include_usage"))
+    # vLLM puts the counts so far in every chunk only when both options are set.
+    continuous = include_usage and bool(options.get("continuous_usage_stats"))
+    num_prompt = len(body["prompt"])
     for i in range(n):
         last = i == n - 1
         choice = {
@@ -82,18 +88,27 @@ async def decode_events(body: dict[str, Any], hold: Hold | None = None) -> Async
             "finish_reason": "length" if last else None,
             "stop_reason": None,
         }
-        yield sse_event({**envelope, "choices": [choice]})
+        chunk: dict[str, Any] = {**envelope, "choices": [choice]}
+        if continuous:
+            chunk["usage"] = _usage(num_prompt, i + 1)
+        yield sse_event(chunk)
         if i == 0 and hold is not None and not hold.gate.is_set():
             hold.open += 1
             try:
                 await hold.gate.wait()
             finally:
                 hold.open -= 1
-    if (body.get("stream_options") or {}).get("include_usage"):
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
-        usage["total_tokens"] = usage["prompt_tokens"] + n
-        yield sse_event({**envelope, "choices": [], "usage": usage})
+    if include_usage:
+        yield sse_event({**envelope, "choices": [], "usage": _usage(num_prompt, n)})
     yield DONE
+
+
+def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
 
 
 def stub_app(hold: Hold | None = None) -> Any:
