@@ -1,0 +1,684 @@
+"""Colocated on the CPU stack (the paper's §6.5, Figure 16; issue 24 item 4): TTFT and TBT
+attainment per class of ``flowprefill up`` against vLLM alone with 2K chunks and priority.
+
+``flowprefill up`` is the colocated shape on one machine: the gateway, one prefill instance
+and one vLLM decode instance share its cores. The baseline is one ``vllm serve`` doing both
+phases in its own iterations. Systems (all started once, measured one after another at
+every rate, the order alternating between rates, so that other load on the machine falls
+on both alike):
+
+* ``flowprefill``: ``flowprefill up`` (file hand-off, as the other stack benchmarks), its
+  SLO table = the TTFT targets judged;
+* ``vllm-cp2k``: ``vllm serve`` alone, ``--scheduling-policy priority`` (each request's
+  ``priority`` from its class, tightest TTFT target first), chunked prefill of
+  ``2048 × length scale`` tokens — the paper's CP2K scaled with the prompts, the
+  convention of ``vs_vllm.py`` (its ``vllm`` arm);
+* ``--variant NAME=ARGS``: another ``flowprefill up`` with extra arguments (``KEY=VALUE``
+  words: its environment), as in ``uniform.py``.
+
+Workload (``vs_vllm.py``'s): QwenTrace-like task types with their classes, Table 1 lengths
+× ``--length-scale`` (capped at 7,680 tokens), Poisson arrivals from ``--seed``; a probe
+replays ``--duration`` seconds of arrivals (at least ``--min-requests``), every rate with
+prompts of its own (vLLM's prefix cache never sees one twice). **TTFT targets**: Table 2's
+Llama-3-8B targets × ``vs_vllm.py``'s SLO scale (this machine's profile: a mean search
+prompt's prefill over the text target as on an A100) × ``--ttft-scale`` (3, §6.5).
+**TBT targets**: §6.5's 0.1 s (text, image) and 0.2 s (search, file) × ``--tbt-scale``
+(1: the script prints the decode step it measured on each system when idle and a prefill
+chunk's time from the profile beside the A100's, so a reader sees what the targets mean
+here). Every request asks for ``--max-tokens`` output tokens (32; the built-in models
+never stop early).
+
+**TBT rule** (the simulator's, ``flowprefill/lab/sim/decode.py``): a request meets its TBT
+target when it succeeded and its *mean* gap between tokens — DistServe's TPOT,
+``(last − first token) / (n − 1)`` — is within it. The stricter "every gap within it"
+(``flowprefill bench``'s rule) is reported beside it. "both": TTFT and (mean-gap) TBT met.
+Goodput under both targets: the highest rate tried with ≥ 90 % of all requests meeting
+both, and the crossing interpolated on the rate grid as ``benchmarks/sim/colocated.py``
+does.
+
+    python benchmarks/stack/colocated.py [--rates 0.5,1,2,3,4,5] [--seed 0] [--duration 40]
+        [--min-requests 40] [--max-tokens 32] [--ttft-scale 3] [--tbt-scale 1]
+        [--systems flowprefill,vllm-cp2k] [--variant NAME=ARGS ...] [--rounds 1]
+
+Writes ``summary.json`` (settings, calibration, every probe with per-class figures,
+the load average before and after) and ``colocated.png`` (TTFT and TBT attainment against
+the rate, one panel per class and one for all, a line per system) into ``--out``. Needs the
+``decode`` extra (vLLM) and ``lab`` (plots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+# Run as a script: the repository root goes on the path so that ``benchmarks`` imports as a
+# package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.stack.common import Server, up_server, vllm_server, wait_all
+from benchmarks.stack.vs_vllm import (
+    CHUNK_TOKENS_PAPER,
+    VOCAB,
+    calibrate,
+    make_requests,
+    ratio_table,
+    warm_up,
+)
+
+if TYPE_CHECKING:
+    from flowprefill.bench.client import Outcome
+    from flowprefill.bench.workload import Workload
+
+TARGET = 0.9
+METRICS = ("ttft", "tbt", "tbt_every", "both")
+"""Per class and for all: TTFT met; mean gap within the TBT target; every gap within it;
+TTFT and mean-gap TBT both met."""
+DEFAULT_RATES = "0.5,1,2,3,4,5"
+
+
+def mean_gap_s(o: Outcome) -> float | None:
+    """DistServe's TPOT from the client's token times: (last − first) / (n − 1); None
+    with fewer than two tokens."""
+    t = o.token_times_s
+    return (t[-1] - t[0]) / (len(t) - 1) if len(t) >= 2 else None
+
+
+def met_tbt_mean(o: Outcome) -> bool:
+    """The simulator's rule: succeeded, and the mean gap within the class's TBT target (a
+    request that streamed one token has no gap and meets it)."""
+    if o.error is not None or not o.token_times_s or o.tbt_slo_s is None:
+        return False
+    gap = mean_gap_s(o)
+    return gap is None or gap <= o.tbt_slo_s
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def class_stats(outcomes: list[Outcome]) -> dict[str, Any]:
+    """Attainments (``METRICS``) and latency percentiles of one class (or of all)."""
+    n = len(outcomes)
+    ok = [o for o in outcomes if o.error is None and o.ttft_s is not None]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    gaps = [g for o in ok if (g := mean_gap_s(o)) is not None]
+    every = [g for o in ok for g in o.gaps_s]
+    tokens = [len(o.token_times_s) for o in ok]
+    return {
+        "requests": n,
+        "errors": n - len(ok),
+        "ttft": sum(o.met for o in outcomes) / n,
+        "tbt": sum(met_tbt_mean(o) for o in outcomes) / n,
+        "tbt_every": sum(bool(o.met_tbt) for o in outcomes) / n,
+        "both": sum(o.met and met_tbt_mean(o) for o in outcomes) / n,
+        "ttft_p50_s": pct(ttfts, 0.5),
+        "ttft_p99_s": pct(ttfts, 0.99),
+        "mean_gap_p50_s": pct(gaps, 0.5),
+        "mean_gap_p99_s": pct(gaps, 0.99),
+        "gap_p99_s": pct(every, 0.99),
+        "gap_max_s": max(every) if every else None,
+        "tokens_mean": statistics.mean(tokens) if tokens else 0.0,
+        "ttft_slo_s": outcomes[0].ttft_slo_s if outcomes else None,
+        "tbt_slo_s": outcomes[0].tbt_slo_s if outcomes else None,
+    }
+
+
+def summarize(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
+    by_class: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        by_class.setdefault(o.slo_class, []).append(o)
+    out = {c: class_stats(os_) for c, os_ in sorted(by_class.items())}
+    out["all"] = class_stats(outcomes)
+    out["all"]["ttft_slo_s"] = out["all"]["tbt_slo_s"] = None
+    return out
+
+
+def crossing(rates: list[float], values: list[float], target: float = TARGET) -> float | None:
+    """``benchmarks/sim/colocated.py``'s goodput: the highest rate at which ``values`` are
+    still ≥ target, interpolated linearly to the first point below it; None when even the
+    lowest rate misses it; the last rate when none does."""
+    if not values or values[0] < target:
+        return None
+    for k in range(1, len(values)):
+        if values[k] < target:
+            r0, r1, v0, v1 = rates[k - 1], rates[k], values[k - 1], values[k]
+            return r0 + (r1 - r0) * (v0 - target) / (v0 - v1)
+    return rates[-1]
+
+
+def options(
+    server: Server,
+    model: str,
+    args: argparse.Namespace,
+    ttft_s: dict[str, float],
+    tbt_s: dict[str, float],
+    seed: int,
+) -> Any:
+    from flowprefill.bench.client import SendOptions
+
+    vllm = not server.metrics_urls  # vLLM alone: no FlowPrefill gateway to tag classes
+    order = sorted(ttft_s, key=lambda c: ttft_s[c])
+    return SendOptions(
+        url=server.base_url,
+        model=model,
+        max_tokens=args.max_tokens,
+        vocab_size=VOCAB,
+        class_header=None if vllm else "x-slo-class",
+        priorities={c: i for i, c in enumerate(order)} if vllm else None,
+        tbt_slos_s=tbt_s,
+        seed=seed,
+    )
+
+
+def idle_decode_step_ms(server: Server, opts: Any, max_tokens: int, repeats: int) -> float:
+    """Median gap between tokens after the first of ``repeats`` short prompts sent one at
+    a time to an idle system: its decode step with nothing else running (the first gap is
+    left out: on ``up`` it carries the KV hand-off)."""
+    from flowprefill.bench.client import replay
+    from flowprefill.prefill.request import Request
+
+    reqs = [
+        Request.create(f"step{i}", arrival_s=0.0, ttft_slo_s=60.0, num_tokens=16, slo_class="text")
+        for i in range(repeats)
+    ]
+    gaps: list[float] = []
+    for i, r in enumerate(reqs):
+        (o,) = asyncio.run(replay([r], replace(opts, max_tokens=max_tokens), round_index=-1 - i))
+        if o.error is not None:
+            raise RuntimeError(f"{server.name}: decode-step probe failed: {o.error}")
+        gaps.extend(o.gaps_s[1:])
+    if not gaps:
+        raise RuntimeError(f"{server.name}: decode-step probe streamed fewer than 3 tokens")
+    return statistics.median(gaps) * 1e3
+
+
+def build_servers(
+    args: argparse.Namespace, model_dir: Path, profile: Path, slo_file: Path, out: Path
+) -> list[Server]:
+    servers = []
+    for system in args.systems.split(","):
+        if system == "flowprefill":
+            servers.append(
+                up_server(system, model_dir, profile, out, ["--slo-table", str(slo_file)])
+            )
+        elif system == "vllm-cp2k":
+            extra = [
+                "--scheduling-policy",
+                "priority",
+                "--enable-chunked-prefill",
+                "--max-num-batched-tokens",
+                str(args.chunk_tokens),
+            ]
+            servers.append(vllm_server(system, model_dir, out, extra))
+        else:
+            raise SystemExit(
+                f"unknown system {system!r}: flowprefill, vllm-cp2k (--variant for more)"
+            )
+    for v in args.variant:
+        name, sep, rest = v.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--variant {v!r}: expected NAME=ARGS")
+        if name in {s.name for s in servers}:
+            raise SystemExit(f"--variant {v!r}: the name {name!r} is taken")
+        extra = ["--slo-table", str(slo_file), *shlex.split(rest)]
+        servers.append(up_server(name, model_dir, profile, out, extra))
+    return servers
+
+
+def parse_rates(spec: str) -> list[float]:
+    try:
+        rates = sorted({float(r) for r in spec.split(",") if r.strip()})
+    except ValueError:
+        raise SystemExit(f"--rates {spec!r}: expected comma-separated numbers") from None
+    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise SystemExit(f"--rates {spec!r}: expected positive request rates")
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="demo-llama")
+    ap.add_argument("--rates", default=DEFAULT_RATES, help="req/s, comma-separated")
+    ap.add_argument("--rounds", type=int, default=1, help="sweeps over the rates")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per probe")
+    ap.add_argument("--min-requests", type=int, default=40, help="fewest requests per probe")
+    ap.add_argument("--length-scale", type=float, default=0.25, help="prompt lengths × this")
+    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    ap.add_argument("--ttft-scale", type=float, default=3.0, help="TTFT targets × this (§6.5: 3)")
+    ap.add_argument("--tbt-scale", type=float, default=1.0, help="TBT targets × this")
+    ap.add_argument(
+        "--warmup-lengths",
+        default="64,512,2048,6000",
+        help="prompt lengths sent to each system, one at a time, before the first probe",
+    )
+    ap.add_argument("--systems", default="flowprefill,vllm-cp2k")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS")
+    ap.add_argument("--profile", help="TTFT profile JSON (default: profiled here)")
+    ap.add_argument("--out", default=f"runs/stack-colocated-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = ap.parse_args()
+    rates = parse_rates(args.rates)
+    for flag in ("rounds", "min_requests", "max_tokens"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("duration", "length_scale", "ttft_scale", "tbt_scale"):
+        value = getattr(args, flag)
+        if not (value > 0 and math.isfinite(value)):
+            raise SystemExit(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+    args.chunk_tokens = max(64, round(CHUNK_TOKENS_PAPER * args.length_scale))
+
+    from flowprefill.bench import workload as wl
+    from flowprefill.contracts import EngineConfig
+    from flowprefill.contracts.slo import PAPER_TBT_SLOS_S
+    from flowprefill.lab.sim.cost import build_cost_model
+    from flowprefill.lab.sim.decode import DecodeCostModel
+    from flowprefill.models import resolve_model_path
+    from flowprefill.prefill.factory import build_executor, profile_executor
+    from flowprefill.prefill.predictor.model import TTFTPredictor
+
+    console = Console()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    console.print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}")
+    model_dir = resolve_model_path(args.model)
+    profile = out / "ttft-profile.json"
+    if args.profile:
+        predictor = TTFTPredictor.load(args.profile)
+    else:
+        config = EngineConfig(model_path=str(model_dir))
+        with console.status("profiling this machine's prefill"), build_executor(config) as ex:
+            report = profile_executor(
+                ex, num_points=8, repeats=2, max_tokens=8192, model_name=args.model
+            )
+        predictor = report.predictor
+    predictor.save(profile)
+    cal = calibrate(predictor, args.length_scale)
+    scaled = {c: s * cal.slo_scale for c, s in wl.get_slo_table("llama3-8b").items()}
+    ttft_s = {c: s * args.ttft_scale for c, s in scaled.items()}
+    tbt_s = {c: s * args.tbt_scale for c, s in PAPER_TBT_SLOS_S.items()}
+    slo_file = out / "slo.json"
+    slo_file.write_text(json.dumps(ttft_s))
+    console.print(ratio_table(cal, predictor, scaled))
+
+    servers = build_servers(args, model_dir, profile, slo_file, out)
+    names = [s.name for s in servers]
+    model = str(model_dir)  # the gateway and vLLM both answer to the model's path
+    longest = max(args.min_requests, math.ceil(max(rates) * args.duration))
+    workload = replace(wl.qwen_like(longest, seed=args.seed), slo_table=ttft_s)
+    probes: dict[str, dict[float, list[dict[str, Any]]]] = {n: {} for n in names}
+    steps_ms: dict[str, float] = {}
+    t_start = time.monotonic()
+    try:
+        with console.status("starting " + ", ".join(names) + " (a few minutes)"):
+            for s in servers:
+                s.start()
+            wait_all(servers)
+            loosest = max(ttft_s, key=lambda c: ttft_s[c])
+            for s in servers:
+                warm_up(s, model, [int(n) for n in args.warmup_lengths.split(",")], loosest)
+        with console.status("timing each system's decode step when idle"):
+            for s in servers:
+                opts = options(s, model, args, ttft_s, tbt_s, args.seed)
+                steps_ms[s.name] = idle_decode_step_ms(s, opts, max(4, args.max_tokens), 3)
+        console.print(
+            targets_table(args, cal, predictor, steps_ms, tbt_s, build_cost_model, DecodeCostModel)
+        )
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console) as progress:
+            overall = progress.add_task("probes", total=args.rounds * len(rates) * len(servers))
+            step = 0
+            for rnd in range(args.rounds):
+                for rate in rates:
+                    # Interleaved: the order alternates from one rate to the next.
+                    order = servers if step % 2 == 0 else list(reversed(servers))
+                    step += 1
+                    for s in order:
+                        time.sleep(1.5)  # vLLM busy-waits 1 s after its last step
+                        res = run_probe(
+                            s, model, workload, rate, rnd, args, ttft_s, tbt_s, progress
+                        )
+                        probes[s.name].setdefault(rate, []).append(res)
+                        progress.advance(overall)
+                        a = res["classes"]["all"]
+                        progress.console.print(
+                            f"round {rnd + 1} {s.name:<14} {rate:6.3g} req/s "
+                            f"({a['requests']} requests, {res['wall_s']:.0f} s): "
+                            f"TTFT {a['ttft']:6.1%}  TBT {a['tbt']:6.1%} "
+                            f"(every gap {a['tbt_every']:6.1%})  both {a['both']:6.1%}  "
+                            f"errors {a['errors']}"
+                        )
+    finally:
+        for s in servers:
+            s.stop()
+
+    load_after = os.getloadavg()
+    classes = sorted(ttft_s, key=lambda c: ttft_s[c])
+    pooled = {n: {r: pool(ps) for r, ps in by_rate.items()} for n, by_rate in probes.items()}
+    wide = Console(width=max(console.width, 170))
+    wide.print(results_table(pooled, rates, [*classes, "all"]))
+    goodputs = {}
+    for n in names:
+        both = [pooled[n][r]["all"]["both"] for r in rates]
+        tried = [r for r in rates if pooled[n][r]["all"]["both"] >= TARGET]
+        goodputs[n] = {
+            "highest_passing_req_s": max(tried, default=None),
+            "crossing_req_s": crossing(rates, both),
+        }
+    wide.print(ratio_to_baseline(pooled, rates, names, goodputs))
+    console.print(
+        f"load average before {' '.join(f'{x:.2f}' for x in load_before)}, after "
+        f"{' '.join(f'{x:.2f}' for x in load_after)}; {time.monotonic() - t_start:.0f} s"
+    )
+    summary = {
+        "command": " ".join(sys.argv),
+        "settings": vars(args),
+        "calibration": {**cal.__dict__, "paper_ratio": cal.paper_ratio, "cpu_ratio": cal.cpu_ratio},
+        "ttft_slo_s": ttft_s,
+        "tbt_slo_s": tbt_s,
+        "tbt_rule": "mean gap between tokens ((last - first) / (n - 1)) within the class's "
+        "TBT target, as the simulator; tbt_every: every gap within it",
+        "idle_decode_step_ms": steps_ms,
+        "load_average": {"before": load_before, "after": load_after},
+        "wall_s": round(time.monotonic() - t_start),
+        "goodput_both": goodputs,
+        "systems": {n: {str(r): pooled[n][r] for r in rates} for n in names},
+        "probes": {n: {str(r): ps for r, ps in by_rate.items()} for n, by_rate in probes.items()},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    title = (
+        f"QwenTrace-like ×{args.length_scale:g}, TTFT targets {args.ttft_scale:g}× scaled "
+        f"Table 2, TBT {', '.join(f'{c} {tbt_s[c] * 1e3:.0f}' for c in classes)} ms (mean "
+        f"gap), {args.max_tokens} output tokens, seed {args.seed}"
+    )
+    plot(out / "colocated.png", pooled, rates, classes, ttft_s, tbt_s, title)
+    console.print(f"wrote {out / 'summary.json'} and {out / 'colocated.png'}")
+
+
+def run_probe(
+    server: Server,
+    model: str,
+    workload: Workload,
+    rate: float,
+    rnd: int,
+    args: argparse.Namespace,
+    ttft_s: dict[str, float],
+    tbt_s: dict[str, float],
+    progress: Progress,
+) -> dict[str, Any]:
+    """One system at one rate: the seed's first ``max(min_requests, rate × duration)``
+    requests, open loop, streamed."""
+    from flowprefill.bench.client import replay
+
+    opts = options(server, model, args, ttft_s, tbt_s, args.seed)
+    n = max(args.min_requests, math.ceil(rate * args.duration))
+    reqs = make_requests(workload.head(n), rate, args.length_scale)
+    bar = progress.add_task(f"  {server.name} @ {rate:.3g} req/s", total=len(reqs))
+    t0 = time.monotonic()
+    # round_index from the round and the rate: every system gets the same prompts at a
+    # (round, rate), and no server sees a prompt twice (vLLM's prefix cache would skip it).
+    outcomes = asyncio.run(
+        replay(
+            reqs, opts, lambda _: progress.advance(bar), round_index=rnd * 10**6 + round(rate * 1e4)
+        )
+    )
+    progress.remove_task(bar)
+    return {
+        "rate": rate,
+        "round": rnd,
+        "wall_s": time.monotonic() - t0,
+        "classes": summarize(outcomes),
+        "missed": [
+            {
+                "class": o.slo_class,
+                "tokens": o.num_tokens,
+                "ttft_s": o.ttft_s,
+                "mean_gap_s": mean_gap_s(o),
+                "error": o.error,
+            }
+            for o in outcomes
+            if not (o.met and met_tbt_mean(o))
+        ],
+    }
+
+
+def pool(probes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Several rounds' probes at one rate as one: attainments weighted by requests, latency
+    figures averaged (one round: that probe's figures)."""
+    if len(probes) == 1:
+        return dict(probes[0]["classes"])
+    out: dict[str, dict[str, Any]] = {}
+    for name in probes[0]["classes"]:
+        rows = [p["classes"][name] for p in probes if name in p["classes"]]
+        n = sum(r["requests"] for r in rows)
+        merged: dict[str, Any] = {"requests": n, "errors": sum(r["errors"] for r in rows)}
+        for m in METRICS:
+            merged[m] = sum(r[m] * r["requests"] for r in rows) / n
+        for k, v in rows[0].items():
+            if k in merged:
+                continue
+            vals = [r[k] for r in rows if isinstance(r[k], int | float)]
+            merged[k] = statistics.mean(vals) if vals else v
+        out[name] = merged
+    return out
+
+
+def targets_table(
+    args: argparse.Namespace,
+    cal: Any,
+    predictor: Any,
+    steps_ms: dict[str, float],
+    tbt_s: dict[str, float],
+    build_cost_model: Any,
+    decode_cost_model: Any,
+) -> Table:
+    """What the TBT targets mean here beside on an A100: a decode step and the prefill
+    chunk vLLM-CP2K runs in one iteration, each over the tighter TBT target."""
+    cost = build_cost_model("llama3-8b", "a100")
+    a100_step = decode_cost_model(cost).step_s([1024]) * 1e3
+    a100_chunk = cost.pass_cost([(CHUNK_TOKENS_PAPER, 0)]).total_s * 1e3
+    here_chunk = predictor.predict_s(args.chunk_tokens) * 1e3
+    tight = min(tbt_s.values()) * 1e3
+    t = Table(
+        title=f"TBT targets against a decode step and a CP2K chunk (tightest target "
+        f"{tight:.0f} ms here, 100 ms on the A100)"
+    )
+    for col in (
+        "where",
+        "decode step ms",
+        "÷ target",
+        "chunk tokens",
+        "chunk prefill ms",
+        "÷ target",
+    ):
+        t.add_column(col, justify="right")
+    t.add_row(
+        "A100, Llama-3-8B (simulator's model)",
+        f"{a100_step:.1f}",
+        f"{a100_step / 100:.2f}",
+        str(CHUNK_TOKENS_PAPER),
+        f"{a100_chunk:.0f}",
+        f"{a100_chunk / 100:.2f}",
+    )
+    for name, ms in steps_ms.items():
+        t.add_row(
+            f"here, {name} (measured idle)",
+            f"{ms:.1f}",
+            f"{ms / tight:.2f}",
+            str(args.chunk_tokens),
+            f"{here_chunk:.0f}",
+            f"{here_chunk / tight:.2f}",
+        )
+    t.caption = (
+        "decode step: A100 at batch 1, 1K context (flowprefill/lab/sim/decode.py); here the "
+        "median gap after the second token of 3 lone 16-token prompts. chunk: the prefill "
+        "profile's time for vLLM-CP2K's chunk (2,048 × length scale)"
+    )
+    return t
+
+
+def results_table(
+    pooled: dict[str, dict[float, dict[str, dict[str, Any]]]],
+    rates: list[float],
+    classes: list[str],
+) -> Table:
+    t = Table(
+        title="per rate, system and class: attainment (TTFT; TBT by mean gap; TBT every "
+        "gap; both) and latencies"
+    )
+    for col in (
+        "rate",
+        "system",
+        "class",
+        "requests",
+        "errors",
+        "TTFT",
+        "TBT",
+        "TBT every gap",
+        "both",
+        "TTFT p50 / p99 ms",
+        "mean gap p50 / p99 ms",
+        "gap p99 / max ms",
+        "tokens",
+    ):
+        t.add_column(col, justify="left" if col in ("system", "class") else "right")
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.0f}"
+
+    for rate in rates:
+        for i, (name, by_rate) in enumerate(pooled.items()):
+            for j, cls in enumerate(classes):
+                c = by_rate[rate].get(cls)
+                if c is None:
+                    continue
+                t.add_row(
+                    f"{rate:g}" if i == j == 0 else "",
+                    name if j == 0 else "",
+                    cls if cls != "all" else "[b]all[/b]",
+                    str(c["requests"]),
+                    str(c["errors"]),
+                    *(f"{c[m]:.0%}" for m in METRICS),
+                    f"{ms(c['ttft_p50_s'])} / {ms(c['ttft_p99_s'])}",
+                    f"{ms(c['mean_gap_p50_s'])} / {ms(c['mean_gap_p99_s'])}",
+                    f"{ms(c['gap_p99_s'])} / {ms(c['gap_max_s'])}",
+                    f"{c['tokens_mean']:.1f}",
+                    end_section=cls == "all" and i == len(pooled) - 1,
+                )
+    return t
+
+
+def ratio_to_baseline(
+    pooled: dict[str, dict[float, dict[str, dict[str, Any]]]],
+    rates: list[float],
+    names: list[str],
+    goodputs: dict[str, dict[str, float | None]],
+) -> Table:
+    """All classes: each system's attainments over vLLM-CP2K's at every rate, and goodput
+    under both targets."""
+    base = "vllm-cp2k" if "vllm-cp2k" in names else None
+    t = Table(
+        title="all classes: attainment TTFT / TBT / both" + (" (× vllm-cp2k)" if base else "")
+    )
+    t.add_column("system")
+    for r in rates:
+        t.add_column(f"{r:g} req/s", justify="right")
+    t.add_column("goodput, both ≥ 90 %: tried / crossing", justify="right")
+
+    def cell(name: str, r: float) -> str:
+        a = pooled[name][r]["all"]
+        text = " / ".join(f"{a[m]:.0%}" for m in ("ttft", "tbt", "both"))
+        if base and name != base:
+            b = pooled[base][r]["all"]
+            ratios = [a[m] / b[m] if b[m] else math.inf for m in ("ttft", "tbt", "both")]
+            text += " (" + " / ".join(f"{x:.2f}" for x in ratios) + ")"
+        return text
+
+    def rate(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    for name in names:
+        g = goodputs[name]
+        t.add_row(
+            name,
+            *(cell(name, r) for r in rates),
+            f"{rate(g['highest_passing_req_s'])} / {rate(g['crossing_req_s'])}",
+        )
+    return t
+
+
+def plot(
+    path: Path,
+    pooled: dict[str, dict[float, dict[str, dict[str, Any]]]],
+    rates: list[float],
+    classes: list[str],
+    ttft_s: dict[str, float],
+    tbt_s: dict[str, float],
+    title: str,
+) -> None:
+    """Rows: TTFT attainment, TBT attainment (mean gap); columns: each class, then all;
+    one line per system against the rate; dashed: the 90 % target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [*classes, "all"]
+    fig, axes = plt.subplots(
+        2, len(panels), figsize=(3.6 * len(panels), 7), sharey=True, squeeze=False
+    )
+    markers = "os^Dv<>p"
+    for i, (system, by_rate) in enumerate(pooled.items()):
+        for row, metric in zip(axes, ("ttft", "tbt"), strict=True):
+            for ax, cls in zip(row, panels, strict=True):
+                values = [100 * by_rate[r].get(cls, {}).get(metric, math.nan) for r in rates]
+                ax.plot(
+                    rates,
+                    values,
+                    marker=markers[i % len(markers)],
+                    color=f"C{i}",
+                    linewidth=2.0 if cls == "all" else 1.2,
+                    label=system,
+                )
+    for row, metric in zip(axes, ("TTFT", "TBT"), strict=True):
+        for ax, cls in zip(row, panels, strict=True):
+            ax.axhline(100 * TARGET, color="grey", linestyle="--", linewidth=0.8)
+            ax.set_ylim(0, 103)
+            ax.set_xlabel("request rate (req/s)")
+            if cls == "all":
+                ax.set_title(f"{metric}: all classes", fontsize=10)
+            else:
+                target = (ttft_s if metric == "TTFT" else tbt_s)[cls] * 1e3
+                ax.set_title(f"{metric}: {cls} ({target:.0f} ms)", fontsize=10)
+        row[0].set_ylabel(f"{metric} attainment (%)")
+    axes[0][-1].legend(fontsize=8, loc="lower left")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
