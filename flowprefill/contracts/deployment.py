@@ -26,6 +26,10 @@ The KV itself moves between NIXL agents on UCX's own ports."""
 DECODE_SIDE_CHANNEL_PORT: Final = 5700
 """A stock vLLM decode's own NIXL handshake port (``nixl`` transport), apart from
 prefill's so both fit on one host."""
+COLOCATED_HEALTH_PORT: Final = 8400
+"""A colocated pod's launcher (``flowprefill_operator.colocated``): its own probe port,
+``/health`` and ``/ready`` for both processes. The operator passes it in the launch spec;
+the launcher (standard library only) reads it from there."""
 
 HEALTH_PATH: Final = "/health"
 """Liveness of every process (vLLM's /health too)."""

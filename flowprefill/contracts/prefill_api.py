@@ -16,12 +16,18 @@ Every answer also reports the instance's backlog (:class:`PrefillLoad`, the ``lo
 field), and ``GET /v1/load`` (:data:`LOAD_PATH`) returns it on demand: what the gateway's
 admission reads to see work it did not send (other gateways, direct clients) and how fast
 the instance drains it, by the engine's own predictor.
+
+A colocated instance (prefill beside its own vLLM decode, one pod of a ``role: colocated``
+pool) also names that decode in every answer (``decode_url``): the gateway sends the
+request's decode there first, so the KV hand-off stays inside the pod
+(:mod:`flowprefill.gateway.decode`). Absent: any decode instance.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -29,6 +35,8 @@ from flowprefill.contracts.kv import HandoffRef
 
 LOAD_PATH: Final = "/v1/load"
 """``GET``: the prefill instance's :class:`PrefillLoad` now."""
+COLOCATED_DECODE_URL_FLAG: Final = "--colocated-decode-url"
+"""``serve-prefill``: the colocated instance's own decode, answered as ``decode_url``."""
 
 
 class PrefillRequest(BaseModel):
@@ -96,9 +104,35 @@ class PrefillResponse(BaseModel):
     load: PrefillLoad | None = Field(
         None, description="The instance's backlog when it answered (this request excluded)."
     )
+    decode_url: str | None = Field(
+        None,
+        description="A colocated instance's own decode (vLLM) base URL, ``http(s)://host:port``"
+        " (in a pod its IP): where the gateway sends this request's decode first. None: the "
+        "instance has no decode of its own.",
+    )
+
+    @field_validator("decode_url")
+    @classmethod
+    def _decode_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_decode_url(value)
 
     def handoff(self) -> HandoffRef | None:
         return HandoffRef.from_params(self.kv_transfer_params)
+
+
+def check_decode_url(url: str) -> str:
+    """``url`` as a decode base URL (no trailing slash); ValueError naming what is wrong
+    unless it is ``http(s)://host:port`` with nothing after the port but ``/``."""
+    parts = urlsplit(url.strip())
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"decode URL {url!r}: bad port ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise ValueError(f"decode URL {url!r}: expected http(s)://host:port")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"decode URL {url!r}: expected a base URL, nothing after the port")
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 class KVHandoffEvent(BaseModel):

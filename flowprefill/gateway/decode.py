@@ -6,6 +6,16 @@ Otherwise a decode instance (vLLM) continues from the prompt *plus* the first to
 loading the prompt's KV through the hand-off (awaited first: the first token went out
 before prefill finished writing it), picked with :func:`~flowprefill.gateway.routing.failover`.
 
+**Colocated pairing.** When the prefill instance that answered is colocated with a decode
+of its own (the answer's ``decode_url``, a pod of a ``role: colocated`` pool), the first
+attempt goes there (:meth:`~flowprefill.gateway.routing.InstancePool.paired`: only to a
+decode instance this gateway lists, or the pod behind one on the prefill instance's host),
+booked in the decode pool's in-flight book like any other, so the KV hand-off stays inside
+the pod. The retry rule is unchanged: when that attempt fails in a way that is safe to
+retry, the second goes where the pool picks (with NIXL, recomputing the prompt); while that
+pod's decode is in its back-off, the first goes where the pool picks. No ``decode_url``,
+or one that names nothing this gateway may send to: the pool picks, as for any request.
+
 Who deletes the hand-off (a file of up to GBs that prefill's age sweep would otherwise
 keep for minutes): this stage releases it through the prefill instance
 (:meth:`~flowprefill.gateway.upstream.PrefillClient.release`, in the background) as soon
@@ -52,7 +62,7 @@ from dataclasses import dataclass
 from flowprefill.contracts.nixl import RemotePrefill
 from flowprefill.gateway.classify import Job
 from flowprefill.gateway.errors import GatewayError, UpstreamError
-from flowprefill.gateway.routing import Instance, InstancePool, Placement, failover
+from flowprefill.gateway.routing import Admitted, Instance, InstancePool, Placement, failover
 from flowprefill.gateway.upstream import DecodeClient, DecodeDelta, PrefillAnswer, PrefillClient
 
 
@@ -153,7 +163,10 @@ class DecodeStage:
 
         finish: str | None = None
         work = Placement(job.request_id, job.deadline_s, budget)
-        async with aclosing(failover(pool, work, attempt)) as deltas:
+        colocated = answer.response.decode_url
+        pod = pool.paired(colocated, near=answer.prefill_url) if colocated else None
+        admitted = Admitted(job.request_id, pod) if pod is not None else None
+        async with aclosing(failover(pool, work, attempt, admitted)) as deltas:
             async for delta in deltas:
                 # Counted before the piece is relayed: its chunk carries the count so far.
                 if delta.completion_tokens is not None:

@@ -47,6 +47,19 @@ An attempt that had received something ends with its error: its output reached t
 client. The KV hand-off does not pin decode to an instance — it lives in shared storage or
 at the prefill instance, and a decode that cannot read it recomputes.
 
+**Colocated pairing** (:meth:`InstancePool.paired`). A colocated prefill instance names its
+pod's own decode in its answer (``decode_url``); the decode stage sends the request's first
+decode attempt there, so the KV stays inside the pod, and falls back to the pool's pick by
+the retry rule above. The gateway sends a request only where its config lets it: the URL
+is used when it is a listed decode instance, or when exactly one listed decode instance is
+on the host of the prefill instance that answered (an operator-rendered colocated pool: one
+headless Service, prefill on one port and decode on another, while the announced URL is the
+pod's IP). In that second case the pod gets an instance of its own that shares the listed
+one's in-flight book and stall flag (its requests count in the pool's load; a stalled
+Service is abandoned as before) but has its own back-off: a pod whose decode failed is not
+paired with again until its back-off ends, and its failure does not take the Service, the
+pool's other pods, out of rotation. Anything else is ignored (no pairing).
+
 **Stalled instances** (:class:`HealthProber`): alive enough to accept a connection, never
 answering. A process that is stopped (SIGSTOP, a frozen node, a wedged event loop) still
 completes TCP handshakes from its listen backlog, so requests sent to it neither fail nor
@@ -82,6 +95,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -105,6 +119,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_ATTEMPTS = 2
+MAX_PODS = 1024
+"""Colocated pods' instances an :class:`InstancePool` keeps (:meth:`InstancePool.paired`)
+before it forgets the idle ones."""
 
 
 @dataclass(eq=False)
@@ -158,6 +175,12 @@ def route(
     )
 
 
+def _forgettable(pod: Instance) -> bool:
+    """A pod instance without a failure record holds nothing of its own (its book is the
+    listed instance's): recreated as it was when next named."""
+    return pod.healthy and pod.consecutive_failures == 0
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """What a pool needs to pick an instance for a request and book it there."""
@@ -170,7 +193,8 @@ class Placement:
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """Admission's decision for one request, handed to the stage that sends it: the
-    instance its first attempt goes to."""
+    instance its first attempt goes to (for decode: the colocated pod that prefilled it,
+    :meth:`InstancePool.paired`)."""
 
     request_id: str
     instance: Instance
@@ -207,17 +231,53 @@ class InstancePool:
         self._rr = itertools.count()
         self.reports: dict[str, LoadReport] = {}
         """Instance URL -> its latest load report."""
+        self._pods: dict[str, Instance] = {}
+        """Colocated pods' own instances behind a listed one (:meth:`paired`), by URL."""
+        self._unpaired: set[str] = set()
+        """Announced URLs :meth:`paired` refused (logged once each)."""
+
+    def available(self, inst: Instance) -> bool:
+        """Whether ``inst`` (listed, or a pod :meth:`paired` returned) may be sent a request
+        now: not in its back-off, not stalled."""
+        if not inst.healthy and self.clock() >= inst.retry_after_s:
+            # Back-off over: give it a chance; a failure puts it back out for longer.
+            inst.healthy = True
+        return inst.healthy and not inst.stall.is_set()
 
     def healthy(self) -> list[Instance]:
-        now = self.clock()
-        out = []
-        for inst in self.instances:
-            if not inst.healthy and now >= inst.retry_after_s:
-                # Back-off over: give it a chance; a failure puts it back out for longer.
-                inst.healthy = True
-            if inst.healthy and not inst.stall.is_set():
-                out.append(inst)
-        return out
+        return [inst for inst in self.instances if self.available(inst)]
+
+    def paired(self, url: str, *, near: str) -> Instance | None:
+        """The instance a colocated prefill instance at ``near`` (its base URL) names as its
+        pod's own decode at ``url`` (see the module docstring): the listed instance at
+        ``url``; else, when exactly one listed instance is on ``near``'s host, an instance
+        for ``url`` sharing that one's in-flight book and stall flag; else None."""
+        url = url.rstrip("/")
+        listed = next((i for i in self.instances if i.url == url), None)
+        if listed is not None:
+            return listed
+        host = urlsplit(near).hostname
+        same_host = [i for i in self.instances if host and urlsplit(i.url).hostname == host]
+        if len(same_host) != 1:
+            if url not in self._unpaired:
+                self._unpaired.add(url)
+                log.warning(
+                    "%s instance %s named %s as its colocated decode, which is not one of this "
+                    "gateway's %s instances nor behind exactly one of them on its host: "
+                    "decoded where the pool picks",
+                    "prefill", near, url, self.role,
+                )  # fmt: skip
+            return None
+        (service,) = same_host
+        pod = self._pods.get(url)
+        if pod is None or pod.in_flight is not service.in_flight:
+            if len(self._pods) >= MAX_PODS:
+                # Pods come and go (rollouts): forget those without a failure record.
+                for key in [k for k, p in self._pods.items() if _forgettable(p)]:
+                    del self._pods[key]
+            pod = Instance(url, in_flight=service.in_flight, stall=service.stall)
+            self._pods[url] = pod
+        return pod
 
     def pick(self, *, deadline_s: float, num_tokens: int) -> Instance:
         """The routing policy's choice among the healthy instances (:func:`route`).
@@ -316,16 +376,16 @@ async def failover(
     admitted: Admitted | None = None,
 ) -> AsyncGenerator[T, None]:
     """Yield what ``attempt(instance)`` yields, on ``admitted``'s instance while it is
-    healthy, else on the instance ``pool`` picks; after a failure that is safe to retry
-    (see the module docstring), on a second pick. Raises the last
-    :class:`~flowprefill.gateway.errors.UpstreamError`, or
+    available (:meth:`InstancePool.available`), else on the instance ``pool`` picks;
+    after a failure that is safe to retry (see the module docstring), on a second pick.
+    Raises the last :class:`~flowprefill.gateway.errors.UpstreamError`, or
     :class:`~flowprefill.gateway.errors.NoHealthyInstanceError` when nothing is left to
     pick."""
     if admitted is not None and admitted.request_id != work.request_id:
         raise ValueError(f"admitted {admitted.request_id}, asked to send {work.request_id}")
     for n in range(1, MAX_ATTEMPTS + 1):
         first = admitted.instance if admitted is not None and n == 1 else None
-        if first is not None and first in pool.healthy():
+        if first is not None and pool.available(first):
             inst = first
         else:
             inst = pool.pick(deadline_s=work.deadline_s, num_tokens=work.num_tokens)

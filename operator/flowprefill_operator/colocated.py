@@ -41,9 +41,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.metadata import entry_points
 from typing import Any
 
-HEALTH_PORT = 8400
-"""The launcher's own probe port in a colocated pod (prefill 8100, decode 8200, prefill's KV
-port 8300 are the processes')."""
 LAUNCHER_MODULE = "flowprefill_operator.colocated"
 POLL_S = 0.5
 PROBE_TIMEOUT_S = 2.0
@@ -117,7 +114,10 @@ class LaunchSpec:
 
     prefill: Child
     decode: Child
-    health_port: int = HEALTH_PORT
+    health_port: int
+    """The launcher's own probe port (the operator's
+    ``flowprefill.contracts.deployment.COLOCATED_HEALTH_PORT``; not imported here: the
+    launcher imports nothing but the standard library)."""
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
 
     @classmethod
@@ -131,15 +131,17 @@ class LaunchSpec:
         unknown = set(raw) - {"prefill", "decode", "health_port", "stop_timeout_s"}
         if unknown:
             raise ValueError(f"launch spec: unknown keys {sorted(unknown)}")
-        port = raw.get("health_port", HEALTH_PORT)
+        prefill = Child.parse("prefill", raw.get("prefill"))
+        decode = Child.parse("decode", raw.get("decode"))
+        port = raw.get("health_port")
         stop = raw.get("stop_timeout_s", DEFAULT_STOP_TIMEOUT_S)
         if not (isinstance(port, int) and 0 < port < 65536):
-            raise ValueError("health_port: expected a TCP port")
+            raise ValueError("health_port: expected a TCP port (the launcher's probe port)")
         if not (isinstance(stop, int | float) and stop > 0):
             raise ValueError("stop_timeout_s: expected a positive number")
         return cls(
-            prefill=Child.parse("prefill", raw.get("prefill")),
-            decode=Child.parse("decode", raw.get("decode")),
+            prefill=prefill,
+            decode=decode,
             health_port=port,
             stop_timeout_s=float(stop),
         )

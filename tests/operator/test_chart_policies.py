@@ -23,11 +23,11 @@ from flowprefill_operator.builders import (
     judge_classes,
 )
 from flowprefill_operator.builders.common import ROLE_LABEL
-from flowprefill_operator.colocated import HEALTH_PORT as COLOCATED_HEALTH_PORT
 from flowprefill_operator.models import ServingPoolSpec, SLOClassSpec
 from flowprefill_operator.settings import OperatorSettings
 
 from flowprefill.contracts.deployment import (
+    COLOCATED_HEALTH_PORT,
     DECODE_PORT,
     GATEWAY_PORT,
     PREFILL_KV_PORT,

@@ -21,7 +21,7 @@ import pytest
 from flowprefill_operator.builders import PoolRef, build_gateway_children, build_pool_children
 from flowprefill_operator.builders.gateway import build_gateway_config, tokenizer_pool
 from flowprefill_operator.builders.rollout import GRACE_MARGIN_S, PRESTOP_SLEEP_S
-from flowprefill_operator.colocated import HEALTH_PORT, Child, LaunchSpec
+from flowprefill_operator.colocated import Child, LaunchSpec
 from flowprefill_operator.controllers.kvcheck import NIXL_TP_REFUSED, nixl_problems
 from flowprefill_operator.models import ServingPoolSpec
 from flowprefill_operator.models.servingpool import (
@@ -34,6 +34,7 @@ from flowprefill_operator.settings import OperatorSettings
 from pydantic import ValidationError
 
 from flowprefill.contracts import SLOTable
+from flowprefill.contracts.deployment import COLOCATED_HEALTH_PORT as HEALTH_PORT
 from flowprefill.contracts.deployment import VLLM_IDLE_SPIN_ENV
 from tests.operator.cluster import GROUP, Cluster, create, pool, slo
 from tests.operator.crdcheck import ROOT, validate_cr
@@ -102,6 +103,11 @@ def test_one_container_one_gpu_both_processes_and_the_memory_split() -> None:
     assert args[args.index("--shutdown-timeout") + 1] == "300"
     assert "--max-model-len=8192" in args
     assert (prefill.port, decode.port, launch.health_port) == (8100, 8200, HEALTH_PORT)
+    # Prefill names its pod's own decode, by the pod's IP (the gateway reaches it there; the
+    # kubelet expands $(POD_IP) in the command, which the container's env must define).
+    argv = prefill.argv
+    assert argv[argv.index("--colocated-decode-url") + 1] == "http://$(POD_IP):8200"
+    assert env_names(container)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     # The engine's config is mounted and hashed as in a prefill pool.
     engine = json.loads(cm["data"]["engine.json"])
     assert (engine["chunk_size"], engine["device"]) == (2048, "cuda")
@@ -449,6 +455,10 @@ def test_sigterm_before_decode_starts_stops_prefill_and_never_starts_decode(
          ' "decode": {}}', "prefill.ready_path"),
         ('{"prefill": {"argv": ["x"], "port": 1, "ready_path": "/r", "health_path": "/h",'
          ' "memory_fraction": 1.5}, "decode": {}}', "prefill.memory_fraction"),
+        # The probe port comes from the operator (contracts.deployment); no default here.
+        ('{"prefill": {"argv": ["x"], "port": 1, "ready_path": "/r", "health_path": "/h"},'
+         ' "decode": {"argv": ["y"], "port": 2, "ready_path": "/r", "health_path": "/h"}}',
+         "health_port: expected a TCP port"),
     ],
 )  # fmt: skip
 def test_bad_launch_specs_name_what_is_wrong(text: str, message: str) -> None:

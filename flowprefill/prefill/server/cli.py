@@ -8,6 +8,8 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from flowprefill.contracts import EngineConfig, KVHandoffSettings, KVTransport
 from flowprefill.contracts.deployment import (
     DEFAULT_KV_DIR,
@@ -16,7 +18,8 @@ from flowprefill.contracts.deployment import (
     PREFILL_KV_PORT,
     PREFILL_PORT,
 )
-from flowprefill.contracts.engine import max_blocking_arg
+from flowprefill.contracts.engine import DecodeAwareSettings, max_blocking_arg
+from flowprefill.contracts.prefill_api import COLOCATED_DECODE_URL_FLAG, check_decode_url
 from flowprefill.contracts.processes import DRAIN_TIMEOUT_FLAG
 from flowprefill.web.limits import add_client_limit_arguments
 
@@ -77,6 +80,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="override parked_memory_bytes (MiB): what preempted tasks may hold; 0 never preempts",
     )
+    p.add_argument(
+        "--decode-aware-socket",
+        help="turn on decode-aware preemption (override decode_aware): listen for decode's "
+        "step beats at this Unix socket path and park the running prefill for decode steps "
+        "whose TBT target is at risk (docs/executor.md)",
+    )
+    p.add_argument(
+        "--decode-aware-tbt",
+        type=float,
+        help="with decode-aware preemption: the TBT target (s) to protect (default "
+        "decode_aware.tbt_target_s, else the paper's tightest, 0.1)",
+    )
     add_client_limit_arguments(p, max_body_mb=16.0)
     p.add_argument(
         "--default-ttft-slo",
@@ -89,6 +104,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         DRAIN_TIMEOUT_FLAG, type=float, default=30.0, help="seconds to finish on SIGTERM"
     )
+    p.add_argument(
+        COLOCATED_DECODE_URL_FLAG,
+        type=decode_url_arg,
+        help="a colocated instance (prefill beside its own vLLM, one pod of a colocated "
+        "pool): that vLLM's base URL as the gateway reaches it (in a pod http://<pod IP>:"
+        "8200), named in every answer so the gateway decodes the request there",
+    )
+
+
+def decode_url_arg(text: str) -> str:
+    """argparse type of :data:`COLOCATED_DECODE_URL_FLAG`: ``http(s)://host:port``."""
+    try:
+        return check_decode_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def resolve_config(args: argparse.Namespace) -> EngineConfig:
@@ -120,6 +150,18 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
     if kv_updates:
         base = config.kv.model_dump() if config.kv else {}
         updates["kv"] = KVHandoffSettings.model_validate({**base, **kv_updates})
+    if args.decode_aware_socket or args.decode_aware_tbt is not None:
+        base = config.decode_aware.model_dump() if config.decode_aware else {}
+        if args.decode_aware_socket:
+            base["socket_path"] = args.decode_aware_socket
+        if args.decode_aware_tbt is not None:
+            base["tbt_target_s"] = args.decode_aware_tbt
+        if "socket_path" not in base:
+            raise SystemExit("--decode-aware-tbt needs --decode-aware-socket (or engine.json's)")
+        try:
+            updates["decode_aware"] = DecodeAwareSettings.model_validate(base)
+        except ValidationError as e:
+            raise SystemExit(f"decode-aware preemption: {e}") from None
     return config.model_copy(update=updates)
 
 
@@ -137,6 +179,7 @@ def build_engine(
         batching=config.batching,
         token_budget=config.batch_token_budget,
         parked_memory_bytes=config.parked_memory_bytes,
+        decode_aware=config.decode_aware,
     )
 
 
@@ -170,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             nixl = nixl_handoff(config, args.host, backend, model_config)
             closing.callback(nixl.close)
             engine.metrics.watch_kv(nixl.held_bytes, nixl.budget_bytes)
-            app = create_app(engine, kv_sink=nixl)
+            app = create_app(engine, kv_sink=nixl, decode_url=args.colocated_decode_url)
             add_discard_route(app, nixl.discard)
             add_pd_route(
                 app,
@@ -188,15 +231,24 @@ def run(args: argparse.Namespace) -> int:
             # (both transports); decode reads (http) on the KV port alone.
             kv_store = kv_sink.transport if kv_sink is not None else None
             kv_url = kv_sink.source if kv_sink is not None else None
-            app = create_app(engine, kv_sink=kv_sink, kv_store=kv_store, kv_url=kv_url)
+            app = create_app(
+                engine,
+                kv_sink=kv_sink,
+                kv_store=kv_store,
+                kv_url=kv_url,
+                decode_url=args.colocated_decode_url,
+            )
         log.info(
-            "prefill instance: %s, granularity %s, policy %s, tp_size %d, port %d%s",
+            "prefill instance: %s, granularity %s, policy %s, tp_size %d, port %d%s%s",
             config.model_path,
             config.granularity,
             config.policy,
             config.tp_size,
             args.port,
             f", KV port {args.kv_port}" if kv_http else "",
+            f", colocated with decode {args.colocated_decode_url}"
+            if args.colocated_decode_url
+            else "",
         )
         limits = ClientLimits(
             max_body_bytes=int(args.max_body_mb * 2**20),

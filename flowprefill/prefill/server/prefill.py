@@ -7,7 +7,8 @@ Endpoints:
   and the ``elapsed_s`` since gateway arrival) is answered, when its prefill produced the
   first token, with a :class:`~flowprefill.contracts.prefill_api.PrefillResponse`:
   ``ttft_s`` from gateway arrival and ``met_slo`` against the class SLO, as the engine
-  judged them (the outcome metric uses the same), and the KV hand-off for decode. With
+  judged them (the outcome metric uses the same), the KV hand-off for decode, and on a
+  colocated instance its own decode's URL (``decode_url``, where the gateway decodes). With
   ``"stream": true`` the answer is server-sent events: the response as soon as the first
   token exists, then a :class:`~flowprefill.contracts.prefill_api.KVHandoffEvent` once
   the hand-off is written (``null`` if writing failed: decode recomputes), then
@@ -48,6 +49,7 @@ from flowprefill.contracts.prefill_api import (
     PrefillLoad,
     PrefillRequest,
     PrefillResponse,
+    check_decode_url,
 )
 from flowprefill.errors import KVBudgetExceededError
 from flowprefill.kv import SharedDirTransport
@@ -67,10 +69,16 @@ def create_app(
     kv_sink: KVSink | None = None,
     kv_store: SharedDirTransport | None = None,
     kv_url: str | None = None,
+    decode_url: str | None = None,
 ) -> FastAPI:
     """``kv_store``: the directory ``kv_sink`` writes, whose hand-offs the gateway deletes
     at ``DELETE /v1/kv/{id}``; None serves no KV route. ``kv_url``: the base URL of the
-    instance's KV listener (``http`` transport), named by the 405 a read here gets."""
+    instance's KV listener (``http`` transport), named by the 405 a read here gets.
+    ``decode_url``: this colocated instance's own decode, named in every answer
+    (:attr:`~flowprefill.contracts.prefill_api.PrefillResponse.decode_url`; ValueError
+    when it is no ``http(s)://host:port``)."""
+    if decode_url is not None:
+        decode_url = check_decode_url(decode_url)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -107,6 +115,7 @@ def create_app(
             num_preemptions=res.num_preemptions,
             batch_size=res.batch_size,
             load=engine.snapshot.load,
+            decode_url=decode_url,
         )
         write_kv = kv_sink is not None and body.hand_off_kv
 

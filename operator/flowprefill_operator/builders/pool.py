@@ -8,6 +8,7 @@ from typing import Any
 
 from flowprefill.contracts import EngineConfig, KVHandoffSettings, KVTransport
 from flowprefill.contracts.deployment import (
+    COLOCATED_HEALTH_PORT,
     DECODE_PORT,
     DECODE_SIDE_CHANNEL_PORT,
     ENGINE_CONFIG_PATH,
@@ -15,6 +16,7 @@ from flowprefill.contracts.deployment import (
     PREFILL_PORT,
     PROFILE_DIR,
 )
+from flowprefill.contracts.prefill_api import COLOCATED_DECODE_URL_FLAG
 from flowprefill.contracts.processes import (
     Launcher,
     ProcessSpec,
@@ -22,7 +24,7 @@ from flowprefill.contracts.processes import (
     prefill_process,
 )
 
-from ..colocated import HEALTH_PORT, LAUNCHER_MODULE, Child, LaunchSpec
+from ..colocated import LAUNCHER_MODULE, Child, LaunchSpec
 from ..models import ServingPoolSpec
 from ..models.gateway import pool_workload_name
 from ..models.kvhandoff import DEFAULT_BUDGET, KVHandoff
@@ -226,8 +228,15 @@ def colocated_launch(spec: ServingPoolSpec) -> LaunchSpec:
     """What a colocated pod's launcher runs (:mod:`..colocated`): prefill capped at
     ``colocated.prefillMemoryFraction`` of its GPU (no cap without GPUs), then vLLM;
     each with its own environment (decode's NIXL side-channel port must not reach
-    prefill). Stopping the survivor of a crash waits the pod's drain bound."""
+    prefill). Prefill names its pod's own decode in every answer
+    (``--colocated-decode-url http://$(POD_IP):8200``: the pod's address, which the gateway
+    reaches, not loopback), so the gateway decodes each request in the pod that prefilled
+    it. Stopping the survivor of a crash waits the pod's drain bound."""
     prefill, decode = prefill_pool_process(spec), decode_pool_process(spec)
+    prefill = dataclasses.replace(
+        prefill,
+        args=(*prefill.args, COLOCATED_DECODE_URL_FLAG, f"http://$({POD_IP_ENV}):{decode.port}"),
+    )
     return LaunchSpec(
         prefill=Child(
             name="prefill",
@@ -248,7 +257,7 @@ def colocated_launch(spec: ServingPoolSpec) -> LaunchSpec:
             health_path=decode.health_path,
             env=dict(decode.env),
         ),
-        health_port=HEALTH_PORT,
+        health_port=COLOCATED_HEALTH_PORT,
         stop_timeout_s=float(rollout.pool_drain_s(spec)),
     )
 
