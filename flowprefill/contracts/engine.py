@@ -44,6 +44,7 @@ from flowprefill.contracts.nixl import (
     DEFAULT_SIDE_CHANNEL_PORT,
     SIDE_CHANNEL_HOST_ENV,
 )
+from flowprefill.contracts.slo import PAPER_TBT_SLOS_S
 from flowprefill.errors import InvalidRequestError
 
 MAX_TP_SIZE = 8
@@ -180,6 +181,47 @@ class KVHandoffSettings(BaseModel):
         return self.dir or default_kv_dir()
 
 
+DEFAULT_TBT_TARGET_S = min(PAPER_TBT_SLOS_S.values())
+"""The TBT target decode-aware preemption protects by default: the tightest of the paper's
+§6.5 classes (text and image, 0.1 s), which ``flowprefill bench`` also judges by."""
+
+
+class DecodeAwareSettings(BaseModel):
+    """Decode-aware preemption (docs/executor.md): decode sends step *beats* to
+    ``socket_path`` (its beat connector, docs/kv.md) and a running prefill parks at the next
+    operator boundary while a decode step whose TBT target is at risk runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    socket_path: str = Field(
+        description="Unix datagram socket this instance listens on for decode's beats; "
+        "decode's beat connector sends to the same path (same host, same pod)."
+    )
+    tbt_target_s: float = Field(
+        DEFAULT_TBT_TARGET_S,
+        gt=0,
+        description="Time-between-tokens target of the tightest class decoding (s): a "
+        "request's mean gap so far may not pass it.",
+    )
+    max_park_s: float | None = Field(
+        None,
+        gt=0,
+        description="Longest single park (s; null: tbt_target_s): a lost beat or a hung "
+        "decode never stalls prefill for longer.",
+    )
+
+    @field_validator("socket_path")
+    @classmethod
+    def _socket_path(cls, value: str) -> str:
+        # sun_path holds 107 bytes and a NUL on Linux.
+        if not value or len(value.encode()) > 107:
+            raise ValueError(
+                f"socket_path {value!r} must be a non-empty path of at most 107 bytes "
+                "(a Unix socket address)"
+            )
+        return value
+
+
 class EngineConfig(BaseModel):
     """``engine.json``. Names parse leniently (see :mod:`flowprefill.contracts.names`)."""
 
@@ -252,6 +294,11 @@ class EngineConfig(BaseModel):
     )
     kv: KVHandoffSettings | None = Field(
         None, description="KV hand-off to decode; null: none (decode recomputes the prompt)."
+    )
+    decode_aware: DecodeAwareSettings | None = Field(
+        None,
+        description="Decode-aware preemption: park the running prefill for decode steps "
+        "whose TBT target is at risk; null: off (decode and prefill share the device blindly).",
     )
 
     @field_validator("tp_size")

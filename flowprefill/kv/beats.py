@@ -23,6 +23,7 @@ UTF-8, joined by ``\\n`` (cut to fit :data:`MAX_DATAGRAM` — the count stays ex
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -77,7 +78,9 @@ def encode(kind: int, step: int, time_s: float, req_ids: list[str] | tuple[str, 
 def decode(data: bytes) -> Beat:
     """Parse a datagram; ValueError naming what is wrong with it."""
     if len(data) < _HEADER.size:
-        raise ValueError(f"beat of {len(data)} bytes is shorter than its {_HEADER.size}-byte header")
+        raise ValueError(
+            f"beat of {len(data)} bytes is shorter than its {_HEADER.size}-byte header"
+        )
     magic, kind, step, time_s, count = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ValueError(f"beat magic {magic!r} is not {MAGIC!r}")
@@ -281,10 +284,8 @@ class BeatListener:
         self.path = str(path)
         self.state = state
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self._sock.bind(self.path)
@@ -318,7 +319,5 @@ class BeatListener:
         self._closed = True
         self._thread.join(timeout=2.0)
         self._sock.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass

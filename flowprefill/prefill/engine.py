@@ -28,10 +28,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from flowprefill.contracts import slo as slo_contract
-from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET
+from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, DecodeAwareSettings
 from flowprefill.contracts.names import Batching
 from flowprefill.contracts.prefill_api import PrefillLoad
 from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
+from flowprefill.kv.beats import BeatListener, DecodeState
+from flowprefill.prefill.executor.decode_yield import DecodeYield
 from flowprefill.prefill.executor.pool import ExecutionPool
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.metrics import EngineMetrics
@@ -157,13 +159,16 @@ class PrefillEngine:
         metrics: EngineMetrics | None = None,
         parked_memory_bytes: int | None = None,
         parked_bytes: ParkedBytesFn | None = None,
+        decode_aware: DecodeAwareSettings | None = None,
     ) -> None:
         """``parked_memory_bytes`` bounds what preempted tasks hold (None: unbounded);
         a preemption that would exceed it is declined (:mod:`flowprefill.prefill.scheduler.memory`).
         ``parked_bytes`` bounds one parked task; default: the backend's
         ``estimate_parked_bytes``, which a budget requires. ``batching``: one of the
         engine's names (:class:`~flowprefill.contracts.names.Batching`), or a policy object
-        (the simulator's ablations)."""
+        (the simulator's ablations). ``decode_aware``: listen for decode's beats at its
+        socket from :meth:`start` and park running prefills for decode steps whose TBT is
+        at risk (:mod:`flowprefill.prefill.executor.decode_yield`); None: off."""
         self.backend = backend
         self.clock = clock
         self.metrics = metrics or EngineMetrics()
@@ -180,11 +185,22 @@ class PrefillEngine:
         if parked_memory_bytes is not None:
             self.metrics.parked_budget_bytes.set(parked_memory_bytes)
         self.pool: ExecutionPool[Sequence[Any]] = ExecutionPool(self._run_task, self._on_task_done)
+        self.decode_aware = decode_aware
+        self.decode_yield: DecodeYield | None = None
+        self._beats: BeatListener | None = None
+        if decode_aware is not None:
+            self.decode_yield = DecodeYield(
+                DecodeState(decode_aware.tbt_target_s),
+                max_park_s=decode_aware.max_park_s,
+                on_park=self._count_decode_park,
+            )
+            self.pool.decode_yield = self.decode_yield
         self.loop = SchedulerLoop(
             self.scheduler, self.pool, on_round=self._on_round, on_crash=self._on_crash, clock=clock
         )
         self.blocking_times_s: deque[float] = deque(maxlen=BLOCKING_HISTORY)
         """The most recent preemption blocking times (appended on the scheduler thread)."""
+        self._decode_timeouts_seen = 0
         self._ids = itertools.count()
         # Guards _futures and _accepting: submit, cancel and close run on callers'
         # threads, round outputs and crashes arrive on the scheduler thread.
@@ -198,6 +214,8 @@ class PrefillEngine:
     # -------------------------------------------------------------- lifecycle
 
     def start(self) -> PrefillEngine:
+        if self.decode_yield is not None and self.decode_aware is not None:
+            self._beats = BeatListener(self.decode_aware.socket_path, self.decode_yield.state)
         self.loop.start()
         # Nothing is queued yet (submit waits for _accepting): the loop has no round to
         # publish until the first event, and this snapshot cannot overwrite a newer one.
@@ -237,6 +255,9 @@ class PrefillEngine:
             self.cancel(rid)
         self.loop.stop()
         self.pool.join(timeout_s=5.0)
+        if self._beats is not None:
+            self._beats.close()
+            self._beats = None
         with self._lock:
             leftovers = list(self._futures.values())
             self._futures.clear()
@@ -326,6 +347,16 @@ class PrefillEngine:
         if len(outputs) != len(prompts):
             raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(prompts)}")
         return outputs
+
+    def _count_decode_park(self, seconds: float) -> None:
+        """A task parked for decode (its own thread): parks and parked time."""
+        m = self.metrics
+        m.decode_parks.inc()
+        m.decode_parked.inc(seconds)
+        assert self.decode_yield is not None
+        if self.decode_yield.timeouts > self._decode_timeouts_seen:
+            self._decode_timeouts_seen = self.decode_yield.timeouts
+            m.decode_park_timeouts.inc()
 
     def _on_task_done(
         self, task: Task, result: Sequence[Any] | None, error: BaseException | None

@@ -88,6 +88,23 @@ class EngineMetrics:
             buckets=BLOCKING_BUCKETS_S,
             registry=r,
         )
+        self.decode_parks = Counter(
+            "flowprefill_prefill_decode_parks",
+            "Times the running prefill parked at a checkpoint for a decode step whose TBT "
+            "target was at risk (decode-aware preemption).",
+            registry=r,
+        )
+        self.decode_parked = Counter(
+            "flowprefill_prefill_decode_parked_seconds",
+            "Time the running prefill spent parked for decode steps (decode-aware preemption).",
+            registry=r,
+        )
+        self.decode_park_timeouts = Counter(
+            "flowprefill_prefill_decode_park_timeouts",
+            "Parks for decode that ended at their bound without the step's end beat "
+            "(a lost beat, or a decode step slower than the bound).",
+            registry=r,
+        )
         self.rounds = Counter(
             "flowprefill_prefill_scheduling_rounds",
             "Scheduling rounds (one per wake-up by arrival/completion events).",

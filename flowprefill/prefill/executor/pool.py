@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from flowprefill.errors import TaskCancelledError, UnknownTaskError
 from flowprefill.prefill.executor.context import activate
 from flowprefill.prefill.executor.preemption import SyncFn, TaskControl
 from flowprefill.prefill.request import Task
 from flowprefill.prefill.scheduler.round import PreemptOutcome
+
+if TYPE_CHECKING:
+    from flowprefill.prefill.executor.decode_yield import DecodeYield
 
 __all__ = ["ExecutionPool", "PreemptOutcome", "RunFn"]
 
@@ -52,6 +55,8 @@ class ExecutionPool(Generic[R]):
         self._threads: dict[int, threading.Thread] = {}
         self._running: int | None = None
         self._held: dict[int, int] = {}  # task_id -> bytes measured while parked
+        self.decode_yield: DecodeYield | None = None
+        """Given to every task's control (decode-aware preemption; None: off)."""
 
     # ----------------------------------------------------------------- commands
 
@@ -60,6 +65,7 @@ class ExecutionPool(Generic[R]):
             if self._running is not None and not self._controls[self._running].done:
                 raise RuntimeError(f"cannot submit {task!r}: task {self._running} is running")
             control = TaskControl(name=repr(task), device_sync=self._device_sync)
+            control.decode_yield = self.decode_yield
             self._controls[task.task_id] = control
             thread = threading.Thread(
                 target=self._thread_main,
@@ -126,6 +132,9 @@ class ExecutionPool(Generic[R]):
     def _thread_main(self, task: Task, control: TaskControl) -> None:
         result: R | None = None
         error: BaseException | None = None
+        decode = control.decode_yield
+        if decode is not None:
+            decode.task_started()  # steps decode runs from now are not solo
         try:
             with activate(control):
                 result = self._run_fn(task, control)
@@ -133,6 +142,9 @@ class ExecutionPool(Generic[R]):
             error = e
         except BaseException as e:  # reported to the scheduler, never lost with the thread
             error = e
+        finally:
+            if decode is not None:
+                decode.task_ended()
         with self._lock:
             if self._running == task.task_id:
                 self._running = None

@@ -10,8 +10,9 @@ its forward pass, every local variable, activation and KV tensor of the task sta
 as it was: resuming continues the same Python frame, so the result is bit-identical to an
 uninterrupted run.
 
-The hot path — a checkpoint with no signal — is one thread-local read, one attribute read
-and one integer increment; the lock is only taken when a signal is actually up.
+The hot path — a checkpoint with no signal — is one thread-local read, two attribute reads
+(three with decode-aware preemption on and nothing decoding) and one integer increment;
+the lock is only taken when a signal is actually up.
 
 Checkpoints find their task in the thread's context
 (:data:`~flowprefill.prefill.executor.context.thread_context`, bound by the executor's run
@@ -24,9 +25,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from flowprefill.errors import TaskCancelledError
+
+if TYPE_CHECKING:
+    from flowprefill.prefill.executor.decode_yield import DecodeYield
 
 SyncFn = Callable[[], None]
 
@@ -50,6 +54,7 @@ class TaskControl:
         "_parked",
         "_resume",
         "cancelled",
+        "decode_yield",
         "device_sync",
         "gate",
         "held_bytes",
@@ -68,6 +73,9 @@ class TaskControl:
         # Called before ACK so a parked task leaves no queued device work behind
         # (CUDA: synchronise the task's stream). None on CPU, where ops are synchronous.
         self.device_sync = device_sync
+        self.decode_yield: DecodeYield | None = None
+        """Decode-aware preemption (:mod:`flowprefill.prefill.executor.decode_yield`): park
+        for a decode step whose TBT is at risk. None: the policy is off."""
         self.gate: CheckpointGate | None = None
         """Tensor parallelism: decides at which checkpoint this rank parks, so that every
         rank parks at the same one (:mod:`flowprefill.prefill.tp.agreement`). None: park at the
@@ -86,6 +94,10 @@ class TaskControl:
     def check(self) -> None:
         """One preemption checkpoint, called from the task's own thread."""
         self.num_checkpoints += 1
+        decode = self.decode_yield
+        # Before the signal check: a preemption raised during the wait is ACKed right after.
+        if decode is not None and decode.state.active:
+            decode.at_checkpoint(self)
         gate = self.gate
         if gate is not None:
             gate.at_checkpoint(self)
