@@ -203,6 +203,12 @@ class DecodeAwareSettings(BaseModel):
         description="Time-between-tokens target of the tightest class decoding (s): a "
         "request's mean gap so far may not pass it.",
     )
+    rule: Literal["gap", "mean"] = Field(
+        "gap",
+        description="gap: every time between tokens within the target (as `flowprefill "
+        "bench` judges TBT); mean: each request's mean gap so far (the simulator's "
+        "flowprefill-da rule; a request banks slack from quick steps).",
+    )
     max_park_s: float | None = Field(
         None,
         gt=0,

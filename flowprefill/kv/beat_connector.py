@@ -9,6 +9,8 @@ KV connector under vLLM's ``MultiConnector`` (:func:`flowprefill.kv.beats.with_b
         "kv_connector_module_path": "flowprefill.kv.beat_connector", "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"beat_socket": "/run/flowprefill/beats.sock"}}'
 
+(``beat_socket`` may also be a list: beats go to every prefill instance on the device.)
+
 Contract (vLLM 0.32 ``KVConnectorBase_V1``):
 
 * Scheduler side, ``build_connector_meta`` (once per scheduling pass): the step's
@@ -35,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from flowprefill.kv.beats import END, SOCKET_KEY, START, BeatSender
+from flowprefill.kv.beats import END, SOCKET_KEY, START, BeatSender, socket_paths
 from flowprefill.kv.vllm_idle import cap_idle_spin
 
 if TYPE_CHECKING:
@@ -67,13 +69,13 @@ class FlowPrefillBeatConnector(KVConnectorBase_V1):
         cap_idle_spin()  # as our other connector: inert unless the environment asks
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        path = extra.get(SOCKET_KEY)
-        if not isinstance(path, str) or not path:
+        try:
+            self.socket_paths = socket_paths(extra.get(SOCKET_KEY))
+        except ValueError as e:
             raise ValueError(
-                f"{type(self).__name__} needs kv_connector_extra_config.{SOCKET_KEY}: the "
-                "prefill engine's beat socket path"
-            )
-        self.socket_path = path
+                f"{type(self).__name__} needs kv_connector_extra_config.{SOCKET_KEY}, the "
+                f"prefill engines' beat socket path(s): {e}"
+            ) from None
         self._sender: BeatSender | None = None  # worker side, made on first beat
         self._step = 0
         self._decoding: list[str] = []
@@ -117,7 +119,7 @@ class FlowPrefillBeatConnector(KVConnectorBase_V1):
         if self._sender is None:
             if not _first_rank():
                 return None
-            self._sender = BeatSender(self.socket_path)
+            self._sender = BeatSender(self.socket_paths)
         return self._sender
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -45,6 +45,10 @@ MAX_DATAGRAM = 65536
 """Beats are cut to this size (ids dropped from the end); far under Linux's datagram
 limit for Unix sockets, so a send never fails for size."""
 
+GAP, MEAN = "gap", "mean"
+RULES = (GAP, MEAN)
+"""How a TBT target is judged (:attr:`DecodeState.next_deadline_s`)."""
+
 BEAT_CONNECTOR = "FlowPrefillBeatConnector"
 BEAT_CONNECTOR_MODULE = "flowprefill.kv.beat_connector"
 SOCKET_KEY = "beat_socket"
@@ -93,26 +97,41 @@ def decode(data: bytes) -> Beat:
     return Beat(kind, step, time_s, count, ids)
 
 
-class BeatSender:
-    """Decode's side: fire-and-forget datagrams to ``path`` (a few µs each)."""
+def socket_paths(value: object) -> tuple[str, ...]:
+    """The beat connector's ``beat_socket`` setting: one path, or a list of paths (every
+    prefill instance that shares the device with this decode); ValueError otherwise."""
+    paths = (value,) if isinstance(value, str) else value
+    if (
+        not isinstance(paths, list | tuple)
+        or not paths
+        or not all(isinstance(p, str) and p for p in paths)
+    ):
+        raise ValueError(
+            f"{SOCKET_KEY} must be a socket path or a non-empty list of them, got {value!r}"
+        )
+    return tuple(paths)
 
-    def __init__(self, path: str) -> None:
-        if not path:
-            raise ValueError("beat socket path is empty")
-        self.path = path
+
+class BeatSender:
+    """Decode's side: fire-and-forget datagrams to each of ``paths`` (a few µs each)."""
+
+    def __init__(self, paths: str | list[str] | tuple[str, ...]) -> None:
+        self.paths = socket_paths(paths)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
         self.sent = 0
         self.dropped = 0
 
     def send(self, kind: int, step: int, req_ids: list[str] | tuple[str, ...] = ()) -> None:
-        """Send one beat stamped now; dropped silently when nobody listens or the
+        """Send one beat stamped now; dropped silently where nobody listens or the
         listener's queue is full (both are the listener's business, not decode's)."""
-        try:
-            self._sock.sendto(encode(kind, step, time.monotonic(), req_ids), self.path)
-            self.sent += 1
-        except OSError:  # ENOENT/ECONNREFUSED: no listener; EAGAIN: queue full
-            self.dropped += 1
+        data = encode(kind, step, time.monotonic(), req_ids)
+        for path in self.paths:
+            try:
+                self._sock.sendto(data, path)
+                self.sent += 1
+            except OSError:  # ENOENT/ECONNREFUSED: no listener; EAGAIN: queue full
+                self.dropped += 1
 
     def close(self) -> None:
         self._sock.close()
@@ -121,15 +140,17 @@ class BeatSender:
 # --------------------------------------------------------------------- config
 
 
-def beat_connector_config(socket_path: str, kv_role: str = "kv_consumer") -> dict[str, Any]:
-    """vLLM ``--kv-transfer-config`` entry of the beat connector alone."""
-    if not socket_path:
-        raise ValueError("beat socket path is empty")
+def beat_connector_config(
+    socket_path: str | list[str] | tuple[str, ...], kv_role: str = "kv_consumer"
+) -> dict[str, Any]:
+    """vLLM ``--kv-transfer-config`` entry of the beat connector alone (beats to one
+    socket, or to each of several)."""
+    paths = socket_paths(socket_path)
     return {
         "kv_connector": BEAT_CONNECTOR,
         "kv_connector_module_path": BEAT_CONNECTOR_MODULE,
         "kv_role": kv_role,
-        "kv_connector_extra_config": {SOCKET_KEY: socket_path},
+        "kv_connector_extra_config": {SOCKET_KEY: paths[0] if len(paths) == 1 else list(paths)},
     }
 
 
@@ -138,7 +159,9 @@ def beat_connector_config(socket_path: str, kv_role: str = "kv_consumer") -> dic
 _SHARED_FIELDS = ("kv_role", "kv_buffer_device", "kv_load_failure_policy")
 
 
-def with_beats(config: dict[str, Any] | None, socket_path: str) -> dict[str, Any]:
+def with_beats(
+    config: dict[str, Any] | None, socket_path: str | list[str] | tuple[str, ...]
+) -> dict[str, Any]:
     """``config`` (a vLLM ``--kv-transfer-config``, or None for none) plus the beat
     connector, through vLLM's ``MultiConnector``: ``config``'s connector comes first, so
     it alone answers how many tokens are loaded (the beat connector always answers 0)."""
@@ -175,9 +198,11 @@ class DecodeState:
       (the hot-path flag: False means nothing is due).
     * ``in_step`` / ``step_start_s``: a step's ``START`` came and its ``END`` has not.
     * ``last_end_s``: the last step's ``END``; ``end_count`` counts ``END`` beats.
-    * ``next_deadline_s``: when the next token must come so that no decoding request's
-      mean gap so far (its TPOT since its first decode step) passes ``tbt_target_s``
-      (the simulator's ``flowprefill-da`` rule, judged per request).
+    * ``next_deadline_s``: when the next token must come. Rule ``gap`` (default): the
+      last ``END`` plus ``tbt_target_s`` — every gap within the target, as ``flowprefill
+      bench`` judges TBT. Rule ``mean``: so that no decoding request's mean gap so far (its
+      TPOT since its first decode step) passes the target — the simulator's
+      ``flowprefill-da`` rule, which lets a request bank slack from quick steps.
     * ``solo_step_s`` / ``shared_step_s``: EWMAs of step times with no prefill running
       (or parked for it) and with a prefill running; ``solo_between_s``: of the time from
       one ``END`` to the next ``START`` without prefill.
@@ -185,11 +210,13 @@ class DecodeState:
 
     EWMA = 0.2
 
-    def __init__(self, tbt_target_s: float, clock: Any = time.monotonic) -> None:
+    def __init__(self, tbt_target_s: float, rule: str = GAP) -> None:
         if not tbt_target_s > 0:
             raise ValueError(f"tbt_target_s must be > 0, got {tbt_target_s!r}")
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
         self.tbt_target_s = float(tbt_target_s)
-        self.clock = clock
+        self.rule = rule
         self.active = False
         self.in_step = False
         self.step_start_s = 0.0
@@ -224,6 +251,9 @@ class DecodeState:
             self.step_start_s = t
             self.in_step = True
             self.num_decoding = beat.num_decoding
+            if beat.num_decoding and self.next_deadline_s == math.inf:
+                # Decode was idle: the first decoding step's token is due a target from now.
+                self.next_deadline_s = t + self.tbt_target_s
             self.active = beat.num_decoding > 0
             gap = t - self.last_end_s
             # Only quiet gaps of a running decode teach how long decode needs between steps.
@@ -248,7 +278,10 @@ class DecodeState:
 
     def _fold_members(self, beat: Beat, t: float) -> None:
         target = self.tbt_target_s
-        if beat.num_decoding and len(beat.req_ids) == beat.num_decoding:
+        if self.rule == GAP or not beat.num_decoding:
+            self._members = {}
+            self.next_deadline_s = t + target if beat.num_decoding else math.inf
+        elif len(beat.req_ids) == beat.num_decoding:
             members: dict[str, _Member] = {}
             deadline = math.inf
             for rid in beat.req_ids:
@@ -261,7 +294,7 @@ class DecodeState:
                 deadline = min(deadline, m.first_end_s + (m.num_gaps + 1) * target)
             self._members = members  # requests not in this step are done (or preempted)
             self.next_deadline_s = deadline
-        else:  # no ids (or cut): judge the single gap
+        else:  # ids cut from the beat: judge the single gap
             self._members = {}
             self.next_deadline_s = t + target if beat.num_decoding else math.inf
 

@@ -25,14 +25,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flowprefill.contracts import slo as slo_contract
 from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, DecodeAwareSettings
 from flowprefill.contracts.names import Batching
 from flowprefill.contracts.prefill_api import PrefillLoad
 from flowprefill.errors import EngineClosedError, InvalidRequestError, TaskCancelledError
-from flowprefill.kv.beats import BeatListener, DecodeState
 from flowprefill.prefill.executor.decode_yield import DecodeYield
 from flowprefill.prefill.executor.pool import ExecutionPool
 from flowprefill.prefill.executor.preemption import TaskControl
@@ -44,6 +43,9 @@ from flowprefill.prefill.scheduler.loop import SchedulerLoop
 from flowprefill.prefill.scheduler.memory import ParkedBytesFn, ParkedMemory
 from flowprefill.prefill.scheduler.policies import get_policy
 from flowprefill.prefill.scheduler.round import Arrival, Cancel, Cancelled, Completion, RoundOutput
+
+if TYPE_CHECKING:
+    from flowprefill.kv.beats import BeatListener
 
 BLOCKING_HISTORY = 10_000
 """How many recent preemption blocking times ``PrefillEngine.blocking_times_s`` keeps (the
@@ -189,8 +191,12 @@ class PrefillEngine:
         self.decode_yield: DecodeYield | None = None
         self._beats: BeatListener | None = None
         if decode_aware is not None:
+            # Here, not at module level: the flowprefill.kv package imports torch, which
+            # the engine alone does not need.
+            from flowprefill.kv.beats import DecodeState
+
             self.decode_yield = DecodeYield(
-                DecodeState(decode_aware.tbt_target_s),
+                DecodeState(decode_aware.tbt_target_s, decode_aware.rule),
                 max_park_s=decode_aware.max_park_s,
                 on_park=self._count_decode_park,
             )
@@ -215,6 +221,8 @@ class PrefillEngine:
 
     def start(self) -> PrefillEngine:
         if self.decode_yield is not None and self.decode_aware is not None:
+            from flowprefill.kv.beats import BeatListener
+
             self._beats = BeatListener(self.decode_aware.socket_path, self.decode_yield.state)
         self.loop.start()
         # Nothing is queued yet (submit waits for _accepting): the loop has no round to

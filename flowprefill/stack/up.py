@@ -18,6 +18,7 @@ meaning on a laptop.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -52,7 +53,13 @@ from flowprefill.contracts.deployment import (
     PREFILL_PORT,
     PREFILL_SIDE_CHANNEL_PORT,
 )
-from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, MAX_TP_SIZE, max_blocking_arg
+from flowprefill.contracts.engine import (
+    DEFAULT_BATCH_TOKEN_BUDGET,
+    DEFAULT_TBT_TARGET_S,
+    MAX_TP_SIZE,
+    DecodeAwareSettings,
+    max_blocking_arg,
+)
 from flowprefill.contracts.gateway import OverloadSettings
 from flowprefill.contracts.nixl import NIXL_PROGRESS_THREAD_ENV
 from flowprefill.contracts.processes import (
@@ -225,6 +232,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run prefill with glibc's malloc even where jemalloc is installed (by default "
         "it is preloaded: glibc's keeps the memory of large freed blocks; docs/stack.md)",
     )
+    p.add_argument(
+        "--decode-aware",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode-aware preemption: decode sends its step beats to every prefill "
+        "instance, which parks its running prefill for a decode step whose TBT target is "
+        "at risk (engine.json decode_aware; docs/executor.md). Off: prefill and decode "
+        "share the cores blindly",
+    )
+    p.add_argument(
+        "--decode-aware-tbt",
+        type=float,
+        default=DEFAULT_TBT_TARGET_S,
+        help="with --decode-aware: the TBT target (s) the parks protect (default: the "
+        "paper's tightest class, text/image)",
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument(
         "--max-restarts",
@@ -258,6 +281,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def beat_socket_path(run_dir: Path, index: int) -> str:
+    """Where prefill instance ``index`` listens for decode's beats: in the run folder,
+    or under /tmp when that path is too long for a Unix socket address (107 bytes)."""
+    path = str(run_dir / f"beats-{index}.sock")
+    if len(path.encode()) <= 107:
+        return path
+    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
+    return f"/tmp/flowprefill-beats-{digest}-{index}.sock"
+
+
 @dataclass(frozen=True)
 class StackPlan:
     """What ``up`` writes and starts: config files by name, then the children in order."""
@@ -276,6 +309,12 @@ def plan_stack(
     files: dict[str, str] = {"slo-table.json": table.model_dump_json(indent=2)}
     children: list[Child] = []
     prefill_eps = []
+    # Decode-aware preemption needs decode to beat to prefill: nothing to do without decode.
+    beat_sockets = (
+        [beat_socket_path(run_dir, i) for i in range(args.prefill)]
+        if getattr(args, "decode_aware", False) and args.decode
+        else []
+    )
     for i in range(args.prefill):
         port = args.port + (PREFILL_PORT - GATEWAY_PORT) + i
         cfg = EngineConfig(
@@ -308,6 +347,12 @@ def plan_stack(
             # No decode, nothing to hand off (the NIXL buffer would be held for nobody).
             if args.decode
             else None,
+            decode_aware=DecodeAwareSettings(
+                socket_path=beat_sockets[i],
+                tbt_target_s=getattr(args, "decode_aware_tbt", DEFAULT_TBT_TARGET_S),
+            )
+            if beat_sockets
+            else None,
         )
         files[f"engine-{i}.json"] = cfg.model_dump_json(indent=2)
         process = prefill_process(
@@ -333,6 +378,7 @@ def plan_stack(
             cache,
             transport=args.kv_transport,
             side_channel_port=args.port + (DECODE_SIDE_CHANNEL_PORT - GATEWAY_PORT) + i,
+            beat_sockets=beat_sockets,
         )
         decode_eps.append(Endpoint.at("decode", LOOPBACK, port))
         log = run_dir / "logs" / f"decode-{i}.log"

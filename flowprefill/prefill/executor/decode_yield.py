@@ -4,24 +4,24 @@ Where prefill and decode share a device (a colocated pod, ``flowprefill up`` on 
 a decode step that runs beside a prefill takes longer, and every decoding request's
 time between tokens (TBT) grows with it. Decode tells the engine when its steps run
 (*beats*, :mod:`flowprefill.kv.beats`); at each preemption checkpoint of the running
-task this module decides, by the simulator's ``flowprefill-da`` rule
-(:mod:`flowprefill.lab.sim.colocated`), whether to let the prefill go on or to park it
-until the step has ended.
+task this module decides whether to let the prefill go on or to park it until the step
+has ended (the simulator's ``flowprefill-da``, :mod:`flowprefill.lab.sim.colocated`, is
+the same idea decided once per step).
 
-The rule. A step is *pending* when one is in progress (its ``START`` came, its ``END``
-not yet) or, between steps, when the last step still had decoding requests (the next is
-due). If the prefill went on, the pending step would end at
+The rule. A decode step is *pending* when one is in progress (its ``START`` came, its
+``END`` not yet) or, between steps, when the last step still had decoding requests (the
+next is due). Its token must come by ``next_deadline`` (:class:`DecodeState`: the last
+token plus the TBT target, or by the simulator's mean-gap rule). Parked, decode would
+finish the pending step in ``solo_left``: the rest of the quiet gap between steps and a
+step at their measured solo times, less the progress it made meanwhile at the measured
+slowdown beside a prefill. The prefill goes on while it could still park at the *next*
+checkpoint (``stretch`` away: the measured time between checkpoints) and leave decode
+its ``solo_left``::
 
-* in a step: ``max(step_start + shared_step, now)``;
-* between steps: ``max(last_end + between_shared, now) + shared_step``,
+    park  iff  now + stretch + solo_left > next_deadline
 
-with ``shared_step`` the measured time of steps that ran beside a prefill and
-``between_shared`` the quiet gap between steps scaled by the same slowdown. When that
-end is past ``next_deadline`` — the latest time the next token may come without any
-decoding request's mean gap so far passing the TBT target — the task syncs the device
-and sleeps until the step's ``END`` beat. Judging the mean gap lets a request bank
-slack from quick steps, so prefill is not parked at every step when the target is under
-two step times (the per-gap rule starved prefill in the simulator).
+then the task syncs the device and sleeps until the step's ``END`` beat. So prefill runs
+as long as the target allows and decode gets the device just in time, not at every step.
 
 Bounds, so that decode can never stall prefill: one park lasts at most ``max_park_s``
 (default: the TBT target); a park that times out (a lost ``END``, a hung decode) is not
@@ -48,11 +48,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from flowprefill.kv.beats import DecodeState
-
 if TYPE_CHECKING:
+    from flowprefill.kv.beats import DecodeState
     from flowprefill.prefill.executor.preemption import TaskControl
 
+STRETCH_EWMA = 0.3
 DEFAULT_SLOWDOWN = 2.0
 """Shared/solo step time assumed before any shared step was measured (equal sharing)."""
 
@@ -84,6 +84,9 @@ class DecodeYield:
         self.parked_s = 0.0
         self.timeouts = 0
         self._gave_up_at = -1  # end_count of a park that timed out
+        self.stretch_s = 0.0
+        """EWMA of the time between two checkpoints of a running prefill."""
+        self._last_check_s: float | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ task threads
@@ -97,34 +100,47 @@ class DecodeYield:
         with self._lock:
             self.state.prefill_running -= 1
 
-    def predicted_end_s(self, now: float) -> float:
-        """When the pending step would end if the prefill went on (inf: none pending)."""
+    def solo_left_s(self, now: float) -> float:
+        """How long decode needs, alone, to end the pending step (inf: none pending)."""
         s = self.state
-        solo = s.solo_step_s or 0.0
+        solo = s.solo_step_s if s.solo_step_s is not None else (s.shared_step_s or 0.0)
         shared = s.shared_step_s if s.shared_step_s is not None else DEFAULT_SLOWDOWN * solo
+        slowdown = max(1.0, shared / solo) if solo > 0 else DEFAULT_SLOWDOWN
         if s.in_step:
-            return max(s.step_start_s + shared, now)
+            return max(0.0, solo - (now - s.step_start_s) / slowdown)
         if s.num_decoding <= 0:
             return math.inf
-        slowdown = shared / solo if solo > 0 else DEFAULT_SLOWDOWN
-        between = (s.solo_between_s or 0.0) * slowdown
-        return max(s.last_end_s + between, now) + shared
+        between = s.solo_between_s or 0.0
+        return max(0.0, between - (now - s.last_end_s) / slowdown) + solo
 
     def should_park(self, now: float) -> bool:
-        """The decision alone (no side effects but forgetting a stale decode)."""
+        """The decision alone (module docstring); its only side effect is forgetting a
+        decode that has gone quiet."""
         s = self.state
         if now - s.last_beat_s > self.stale_s:
             s.active = False  # decode is gone; the next beat makes it active again
             return False
         if s.end_count == self._gave_up_at:
             return False  # the last park for this step timed out: do not wait again
-        end = self.predicted_end_s(now)
-        return end != math.inf and end > s.next_deadline_s
+        left = self.solo_left_s(now)
+        return left != math.inf and now + self.stretch_s + left > s.next_deadline_s
+
+    def _measure_stretch(self, now: float) -> None:
+        """Time between checkpoints, measured while decode is active (the only time this
+        runs); an interval spanning a park or a quiet spell is not a stretch."""
+        last = self._last_check_s
+        self._last_check_s = now
+        if last is None:
+            return
+        gap = now - last
+        if 0 <= gap < self.max_park_s:
+            self.stretch_s += STRETCH_EWMA * (gap - self.stretch_s)
 
     def at_checkpoint(self, control: TaskControl) -> None:
         """Called by :meth:`TaskControl.check` when ``state.active``: park for the pending
         decode step if its TBT is at risk (module docstring)."""
         now = self.clock()
+        self._measure_stretch(now)
         if not self.should_park(now):
             return
         s = self.state
@@ -142,5 +158,6 @@ class DecodeYield:
         if not ended:
             self.timeouts += 1
             self._gave_up_at = after
+        self._last_check_s = None  # the park is not a stretch
         if self.on_park is not None:
             self.on_park(took)
