@@ -265,6 +265,13 @@ def main() -> None:
     ap.add_argument("--ttft-scale", type=float, default=3.0, help="TTFT targets × this (§6.5: 3)")
     ap.add_argument("--tbt-scale", type=float, default=1.0, help="TBT targets × this")
     ap.add_argument(
+        "--slo-scale",
+        type=float,
+        help="Table 2 × this before --ttft-scale (default: from this run's profile, as "
+        "vs_vllm.py; pass a quiet machine's figure, e.g. its summary's, when other jobs load "
+        "the profile)",
+    )
+    ap.add_argument(
         "--warmup-lengths",
         default="64,512,2048,6000",
         help="prompt lengths sent to each system, one at a time, before the first probe",
@@ -278,8 +285,10 @@ def main() -> None:
     for flag in ("rounds", "min_requests", "max_tokens"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
-    for flag in ("duration", "length_scale", "ttft_scale", "tbt_scale"):
+    for flag in ("duration", "length_scale", "ttft_scale", "tbt_scale", "slo_scale"):
         value = getattr(args, flag)
+        if flag == "slo_scale" and value is None:
+            continue
         if not (value > 0 and math.isfinite(value)):
             raise SystemExit(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
     args.chunk_tokens = max(64, round(CHUNK_TOKENS_PAPER * args.length_scale))
@@ -310,7 +319,19 @@ def main() -> None:
             )
         predictor = report.predictor
     predictor.save(profile)
+    fit = predictor.fit_error
+    console.print(
+        "prefill profile: "
+        + (
+            f"fit error {fit.mean_abs_pct:.1f} % mean ({fit.max_abs_pct:.1f} % max); "
+            if fit is not None
+            else ""
+        )
+        + ", ".join(f"{n} tokens {predictor.predict_s(n) * 1e3:.0f} ms" for n in (128, 512, 2048))
+    )
     cal = calibrate(predictor, args.length_scale)
+    if args.slo_scale is not None:
+        cal = replace(cal, slo_scale=args.slo_scale)
     scaled = {c: s * cal.slo_scale for c, s in wl.get_slo_table("llama3-8b").items()}
     ttft_s = {c: s * args.ttft_scale for c, s in scaled.items()}
     tbt_s = {c: s * args.tbt_scale for c, s in PAPER_TBT_SLOS_S.items()}
@@ -647,7 +668,7 @@ def plot(
 
     panels = [*classes, "all"]
     fig, axes = plt.subplots(
-        2, len(panels), figsize=(3.6 * len(panels), 7), sharey=True, squeeze=False
+        2, len(panels), figsize=(3.6 * len(panels), 7), sharex=True, sharey=True, squeeze=False
     )
     markers = "os^Dv<>p"
     for i, (system, by_rate) in enumerate(pooled.items()):

@@ -75,6 +75,29 @@ def decode_ms_per_token(client: httpx.Client, url: str, model: str, tokens: int 
     return (time.perf_counter() - t0) * 1e3 / tokens
 
 
+@contextmanager
+def decoding(url: str, model: str, streams: int, tokens: int = 256) -> Iterator[None]:
+    """``streams`` vLLM completions of ``tokens`` tokens decoding for the block: sent in
+    threads, the block entered once each has its first token (0.3 s after sending; a
+    20-token prompt's prefill is a few ms), the threads joined after it."""
+    import threading
+
+    def one() -> None:
+        ids = [random.randrange(1, 30000) for _ in range(20)]
+        body = {"model": model, "prompt": ids, "max_tokens": tokens, "ignore_eos": True}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
+
+    threads = [threading.Thread(target=one) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join()
+
+
 def vllm_workers() -> list[int]:
     out = subprocess.run(["pgrep", "-f", "VLLM::Worker"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
@@ -104,6 +127,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=800)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--stop-worker", action="store_true", help="also pause vLLM's worker")
+    ap.add_argument(
+        "--busy-streams",
+        type=int,
+        default=4,
+        help="vLLM completions decoding during the 'decode busy' prefill (0: no such row)",
+    )
     args = ap.parse_args()
     console = Console()
     med = statistics.median
@@ -129,6 +158,9 @@ def main() -> None:
         runs: dict[str, list[float]] = {"after 1 s idle": [], "0.3 s after a vLLM request": []}
         if workers:
             runs["same, vLLM worker paused"] = []
+        busy = f"during {args.busy_streams} vLLM decodes"
+        if args.busy_streams > 0:
+            runs[busy] = []
         with console.status("timing prefill beside decode"):
             for _ in range(args.repeats):
                 time.sleep(1.0)
@@ -148,6 +180,10 @@ def main() -> None:
                         runs["same, vLLM worker paused"].append(
                             prefill(client, args.prefill_url, args.tokens, False)[1]
                         )
+                if args.busy_streams > 0:
+                    time.sleep(1.0)
+                    with decoding(args.decode_url, model, args.busy_streams):
+                        runs[busy].append(prefill(client, args.prefill_url, args.tokens, False)[1])
     table = Table(title=f"engine prefill time of {args.tokens} tokens (ms)")
     for col in ("when", "median", "min", "max", "vs idle"):
         table.add_column(col, justify="right")
