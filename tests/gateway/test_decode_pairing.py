@@ -14,7 +14,7 @@ import argparse
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from flowprefill.contracts import Endpoint, GatewayConfig
 from flowprefill.contracts.prefill_api import PrefillResponse
 from flowprefill.gateway.app import GatewayState, create_gateway_app
 from flowprefill.gateway.cli import build_state
-from flowprefill.gateway.routing import Admitted, InstancePool, Placement, failover
+from flowprefill.gateway.routing import Admitted, Instance, InstancePool, Placement, failover
 from flowprefill.models import load_model, named_model_dir
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
@@ -187,7 +187,7 @@ def test_a_pod_behind_its_pools_service_is_paired_by_host(stack: Stack) -> None:
 
 
 async def _drain(pool: InstancePool, work: Placement, admitted: Admitted | None) -> list[str]:
-    async def attempt(inst: Any) -> AsyncIterator[str]:
+    async def attempt(inst: Instance) -> AsyncGenerator[str, None]:
         # Booked in the listed instance's book while the attempt runs.
         assert work.request_id in pool.instances[0].in_flight
         yield inst.url
