@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar, cast
 
 from rich.console import Console
 
@@ -281,6 +281,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+DECODE_AWARE_BLOCKING_SHARE = 0.25
+"""With decode-aware preemption, operators are split so that no stretch between two
+checkpoints runs longer than this share of the TBT target (unless ``--max-blocking-ms``
+says otherwise): a park can only come at a checkpoint, and a stretch as long as the
+target leaves decode no time (docs/executor.md)."""
+
+
+def decode_aware_blocking_ms(args: argparse.Namespace) -> float | Literal["off"]:
+    """``--max-blocking-ms``, else a quarter of the TBT target decode-aware parks protect."""
+    if args.max_blocking_ms is not None:
+        return cast(float | Literal["off"], args.max_blocking_ms)
+    tbt = getattr(args, "decode_aware_tbt", DEFAULT_TBT_TARGET_S)
+    return float(tbt) * 1e3 * DECODE_AWARE_BLOCKING_SHARE
+
+
 def beat_socket_path(run_dir: Path, index: int) -> str:
     """Where prefill instance ``index`` listens for decode's beats: in the run folder,
     or under /tmp when that path is too long for a Unix socket address (107 bytes)."""
@@ -324,7 +339,9 @@ def plan_stack(
             batching=args.batching,
             batch_token_budget=args.batch_token_budget,
             chunk_size=args.chunk_size,
-            max_blocking_ms=args.max_blocking_ms,
+            max_blocking_ms=(
+                decode_aware_blocking_ms(args) if beat_sockets else args.max_blocking_ms
+            ),
             parked_memory_bytes=None
             if args.parked_memory_mb is None
             else int(args.parked_memory_mb * 2**20),

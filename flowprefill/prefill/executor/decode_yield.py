@@ -15,13 +15,16 @@ token plus the TBT target, or by the simulator's mean-gap rule). Parked, decode 
 finish the pending step in ``solo_left``: the rest of the quiet gap between steps and a
 step at their measured solo times, less the progress it made meanwhile at the measured
 slowdown beside a prefill. The prefill goes on while it could still park at the *next*
-checkpoint (``stretch`` away: the measured time between checkpoints) and leave decode
-its ``solo_left``::
+checkpoint (``stretch`` away: the longest of the last few measured times between
+checkpoints) and leave decode its ``solo_left``::
 
     park  iff  now + stretch + solo_left > next_deadline
 
 then the task syncs the device and sleeps until the step's ``END`` beat. So prefill runs
 as long as the target allows and decode gets the device just in time, not at every step.
+The stretch must be well under the target for this to work: with operators that run
+longer than the target between two checkpoints, no park can come in time (``flowprefill
+up --decode-aware`` bounds them at a quarter of the target, ``max_blocking_ms``).
 
 Bounds, so that decode can never stall prefill: one park lasts at most ``max_park_s``
 (default: the TBT target); a park that times out (a lost ``END``, a hung decode) is not
@@ -45,6 +48,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -52,7 +56,7 @@ if TYPE_CHECKING:
     from flowprefill.kv.beats import DecodeState
     from flowprefill.prefill.executor.preemption import TaskControl
 
-STRETCH_EWMA = 0.3
+STRETCHES = 8
 DEFAULT_SLOWDOWN = 2.0
 """Shared/solo step time assumed before any shared step was measured (equal sharing)."""
 
@@ -85,7 +89,9 @@ class DecodeYield:
         self.timeouts = 0
         self._gave_up_at = -1  # end_count of a park that timed out
         self.stretch_s = 0.0
-        """EWMA of the time between two checkpoints of a running prefill."""
+        """The longest of the last :data:`STRETCHES` times between two checkpoints of a
+        running prefill (measured while decode is active)."""
+        self._stretches: deque[float] = deque(maxlen=STRETCHES)
         self._last_check_s: float | None = None
         self._lock = threading.Lock()
 
@@ -134,7 +140,11 @@ class DecodeYield:
             return
         gap = now - last
         if 0 <= gap < self.max_park_s:
-            self.stretch_s += STRETCH_EWMA * (gap - self.stretch_s)
+            recent = self._stretches
+            recent.append(gap)
+            # The longest of the last few: operators differ (attention is not a down_proj),
+            # and the next one may be the long one.
+            self.stretch_s = max(recent)
 
     def at_checkpoint(self, control: TaskControl) -> None:
         """Called by :meth:`TaskControl.check` when ``state.active``: park for the pending
