@@ -1,0 +1,93 @@
+"""``serve-prefill``'s decode-aware flags override engine.json, and the engine they build
+listens for beats and parks (counted in its metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pytest
+
+from flowprefill.contracts import EngineConfig
+from flowprefill.contracts.engine import DecodeAwareSettings
+from flowprefill.kv.beats import END, START, BeatSender
+from flowprefill.prefill.server.cli import add_arguments, build_engine, resolve_config
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_turn_it_on_and_override_the_file(tmp_path: Path) -> None:
+    assert resolve_config(_args()).decode_aware is None
+    on = resolve_config(_args("--decode-aware-socket", str(tmp_path / "b.sock")))
+    assert on.decode_aware == DecodeAwareSettings(socket_path=str(tmp_path / "b.sock"))
+    path = tmp_path / "engine.json"
+    path.write_text(
+        EngineConfig(
+            decode_aware=DecodeAwareSettings(socket_path="/run/b.sock", rule="mean")
+        ).model_dump_json()
+    )
+    over = resolve_config(_args("--config", str(path), "--decode-aware-tbt", "0.2")).decode_aware
+    assert over == DecodeAwareSettings(socket_path="/run/b.sock", rule="mean", tbt_target_s=0.2)
+
+
+def test_bad_flags_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="needs --decode-aware-socket"):
+        resolve_config(_args("--decode-aware-tbt", "0.2"))
+    with pytest.raises(SystemExit, match="tbt_target_s"):
+        resolve_config(_args("--decode-aware-socket", "/run/b.sock", "--decode-aware-tbt", "-1"))
+
+
+class _Backend:
+    """A backend whose one task reaches checkpoints until told to stop (no model needed:
+    the park happens in the checkpoint, whatever runs between them)."""
+
+    max_prompt_tokens = 1000
+
+    def validate(self, prompts: object) -> None:
+        return None
+
+    def run(self, prompts: list[list[int]], control: object) -> list[int]:
+        from flowprefill.prefill.executor.preemption import TaskControl
+
+        assert isinstance(control, TaskControl)
+        for _ in range(200):
+            control.check()
+            time.sleep(0.002)
+        return [0 for _ in prompts]
+
+
+class _Predictor:
+    def predict_s(self, num_tokens: int) -> float:
+        return 0.001 * num_tokens
+
+
+def test_engine_listens_parks_and_counts(tmp_path: Path) -> None:
+    sock = str(tmp_path / "b.sock")
+    config = resolve_config(_args("--decode-aware-socket", sock, "--decode-aware-tbt", "0.01"))
+    engine = build_engine(config, _Backend(), _Predictor())
+    sender = BeatSender(sock)
+    with engine:
+        assert Path(sock).exists()
+        # Decode is mid-step and its token is due in 10 ms: the task parks until END.
+        sender.send(END, 1, ["a"])
+        sender.send(START, 2, ["a"])
+        future = engine.submit([1, 2, 3], ttft_slo_s=10.0)
+        deadline = time.monotonic() + 10
+        state = engine.decode_yield.state if engine.decode_yield else None
+        assert state is not None
+        while state.parked_since is None:
+            assert time.monotonic() < deadline, "never parked"
+            time.sleep(0.001)
+        sender.send(END, 2, [])  # the step ended, nothing decodes any more
+        future.result(timeout=30)
+    sender.close()
+    assert not Path(sock).exists()  # the listener is gone with the engine
+    sample = engine.metrics.registry.get_sample_value
+    assert (sample("flowprefill_prefill_decode_parks_total") or 0) >= 1
+    assert (sample("flowprefill_prefill_decode_parked_seconds_total") or 0) > 0
+    assert sample("flowprefill_prefill_decode_park_timeouts_total") == 0
