@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import pytest
 import torch
@@ -130,7 +131,8 @@ def test_idle_decode_costs_the_checkpoint_nothing(
 
 def _stack_of(thread_name: str) -> list[tuple[str, str]]:
     ident = next(t.ident for t in threading.enumerate() if t.name == thread_name)
-    frame = sys._current_frames()[ident]
+    assert ident is not None
+    frame: FrameType | None = sys._current_frames()[ident]
     out = []
     while frame is not None:
         out.append((Path(frame.f_code.co_filename).name, frame.f_code.co_name))

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from flowprefill.contracts import EngineConfig
 from flowprefill.contracts.engine import DecodeAwareSettings
 from flowprefill.kv.beats import END, START, BeatSender
+from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.server.cli import add_arguments, build_engine, resolve_config
 
 
@@ -48,13 +51,10 @@ class _Backend:
 
     max_prompt_tokens = 1000
 
-    def validate(self, prompts: object) -> None:
+    def validate(self, prompts: Sequence[Sequence[int]]) -> None:
         return None
 
-    def run(self, prompts: list[list[int]], control: object) -> list[int]:
-        from flowprefill.prefill.executor.preemption import TaskControl
-
-        assert isinstance(control, TaskControl)
+    def run(self, prompts: Sequence[Sequence[int]], control: TaskControl) -> Sequence[Any]:
         for _ in range(200):
             control.check()
             time.sleep(0.002)
