@@ -50,11 +50,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from flowprefill.kv.beats import DecodeState
-    from flowprefill.prefill.executor.preemption import TaskControl
+
+
+class Parkable(Protocol):
+    """What a park needs of the task's control (a TaskControl; a protocol so that this
+    module and preemption.py do not import each other)."""
+
+    device_sync: Callable[[], None] | None
+
 
 STRETCHES = 8
 DEFAULT_SLOWDOWN = 2.0
@@ -146,7 +153,7 @@ class DecodeYield:
             # and the next one may be the long one.
             self.stretch_s = max(recent)
 
-    def at_checkpoint(self, control: TaskControl) -> None:
+    def at_checkpoint(self, control: Parkable) -> None:
         """Called by :meth:`TaskControl.check` when ``state.active``: park for the pending
         decode step if its TBT is at risk (module docstring)."""
         now = self.clock()

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from flowprefill.contracts.engine import DecodeAwareSettings
 from flowprefill.kv.beats import END, GAP, MEAN, START, Beat, BeatListener, BeatSender, DecodeState
-from flowprefill.prefill.executor.decode_yield import DecodeYield
+from flowprefill.prefill.executor.decode_yield import DecodeYield, Parkable
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from tests.prefill.executor.helpers import TIMEOUT_S, TaskThread
@@ -99,7 +99,7 @@ class CountingYield(DecodeYield):
 
     calls = 0
 
-    def at_checkpoint(self, control: TaskControl) -> None:
+    def at_checkpoint(self, control: Parkable) -> None:
         self.calls += 1
         super().at_checkpoint(control)
 
