@@ -18,6 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from flowprefill.contracts.beats import with_beats
 from flowprefill.contracts.deployment import (
     CPU_VLLM_IDLE_SPIN_S,
     DECODE_READY_PATH,
@@ -138,6 +139,7 @@ def decode_process(
     tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
     side_channel_port: int | None = None,
+    beat_sockets: Sequence[str] = (),
 ) -> ProcessSpec:
     """vLLM's OpenAI server loading hand-offs through the FlowPrefill connector, or with
     the ``nixl`` transport stock vLLM pulling them with its ``NixlConnector`` (no
@@ -149,7 +151,10 @@ def decode_process(
     shared directory of ``$FLOWPREFILL_KV_DIR``). On a CPU host the connector caps vLLM's
     idle busy-wait (docs/kv.md), which a GPU node does not need.
     ``tensor_parallel_size > 1``: vLLM runs that many ranks itself
-    (``--tensor-parallel-size``); one rank adds no flag (vLLM's default)."""
+    (``--tensor-parallel-size``); one rank adds no flag (vLLM's default).
+    ``beat_sockets``: the prefill instances on the same device with decode-aware preemption
+    on; the beat connector beside the KV connector sends them its step beats
+    (:func:`~flowprefill.contracts.beats.with_beats`)."""
     env: dict[str, str] = decode_env(cpu=cpu)
     config: dict[str, object]
     if kv_transport is KVTransport.NIXL:
@@ -162,6 +167,8 @@ def decode_process(
         config = kv_transfer_config(kv_path, transport=kv_transport)
     else:
         config = connector_config()
+    if beat_sockets:
+        config = with_beats(config, tuple(beat_sockets))
     args = [
         "--model", model_path, *_listen(host, port),
         "--kv-transfer-config", json.dumps(config, separators=(",", ":")),

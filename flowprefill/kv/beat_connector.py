@@ -3,7 +3,7 @@
 steps run.
 
 Loaded by stock vLLM through its documented extension point, alone or beside the real
-KV connector under vLLM's ``MultiConnector`` (:func:`flowprefill.kv.beats.with_beats`)::
+KV connector under vLLM's ``MultiConnector`` (:func:`flowprefill.contracts.beats.with_beats`)::
 
     --kv-transfer-config '{"kv_connector": "FlowPrefillBeatConnector",
         "kv_connector_module_path": "flowprefill.kv.beat_connector", "kv_role": "kv_consumer",
@@ -37,7 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from flowprefill.kv.beats import END, SOCKET_KEY, START, BeatSender, socket_paths
+from flowprefill.contracts.beats import SOCKET_KEY, socket_paths
+from flowprefill.kv.beats import END, START, BeatSender
 from flowprefill.kv.vllm_idle import cap_idle_spin
 
 if TYPE_CHECKING:

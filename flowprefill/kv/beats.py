@@ -5,10 +5,10 @@ A *beat* is one Unix datagram sent by decode's worker when a step's forward pass
 every process of a host: ``CLOCK_MONOTONIC``), a per-worker step number and the ids of
 the requests that step decodes. Stock vLLM sends them through a KV connector of ours
 loaded by its documented extension point (:mod:`flowprefill.kv.beat_connector`, combined
-with the real KV connector by vLLM's ``MultiConnector``: :func:`with_beats`); the prefill
-engine listens (:class:`BeatListener`) and keeps decode's state (:class:`DecodeState`),
-which its decode-aware yield reads at every checkpoint
-(:mod:`flowprefill.prefill.executor.decode_yield`).
+with the real KV connector by vLLM's ``MultiConnector``; its configuration is a contract,
+:mod:`flowprefill.contracts.beats`); the prefill engine listens (:class:`BeatListener`)
+and keeps decode's state (:class:`DecodeState`), which its decode-aware yield reads at
+every checkpoint (:mod:`flowprefill.prefill.executor.decode_yield`).
 
 Contract: sending never blocks and never fails the sender (a datagram to a socket no one
 listens on, or a full queue, is dropped silently: decode must not care whether prefill
@@ -34,7 +34,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from flowprefill.contracts.beats import socket_paths
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,6 @@ limit for Unix sockets, so a send never fails for size."""
 GAP, MEAN = "gap", "mean"
 RULES = (GAP, MEAN)
 """How a TBT target is judged (:attr:`DecodeState.next_deadline_s`)."""
-
-BEAT_CONNECTOR = "FlowPrefillBeatConnector"
-BEAT_CONNECTOR_MODULE = "flowprefill.kv.beat_connector"
-SOCKET_KEY = "beat_socket"
-"""``kv_connector_extra_config`` key of the beat connector: the listener's socket path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,21 +93,6 @@ def decode(data: bytes) -> Beat:
     return Beat(kind, step, time_s, count, ids)
 
 
-def socket_paths(value: object) -> tuple[str, ...]:
-    """The beat connector's ``beat_socket`` setting: one path, or a list of paths (every
-    prefill instance that shares the device with this decode); ValueError otherwise."""
-    paths = (value,) if isinstance(value, str) else value
-    if (
-        not isinstance(paths, list | tuple)
-        or not paths
-        or not all(isinstance(p, str) and p for p in paths)
-    ):
-        raise ValueError(
-            f"{SOCKET_KEY} must be a socket path or a non-empty list of them, got {value!r}"
-        )
-    return tuple(paths)
-
-
 class BeatSender:
     """Decode's side: fire-and-forget datagrams to each of ``paths`` (a few µs each)."""
 
@@ -135,47 +116,6 @@ class BeatSender:
 
     def close(self) -> None:
         self._sock.close()
-
-
-# --------------------------------------------------------------------- config
-
-
-def beat_connector_config(
-    socket_path: str | list[str] | tuple[str, ...], kv_role: str = "kv_consumer"
-) -> dict[str, Any]:
-    """vLLM ``--kv-transfer-config`` entry of the beat connector alone (beats to one
-    socket, or to each of several)."""
-    paths = socket_paths(socket_path)
-    return {
-        "kv_connector": BEAT_CONNECTOR,
-        "kv_connector_module_path": BEAT_CONNECTOR_MODULE,
-        "kv_role": kv_role,
-        "kv_connector_extra_config": {SOCKET_KEY: paths[0] if len(paths) == 1 else list(paths)},
-    }
-
-
-# Top-level fields vLLM reads from the outer config (the scheduler's failure policy, the
-# buffer device NIXL registers): kept on the MultiConnector as well as the child.
-_SHARED_FIELDS = ("kv_role", "kv_buffer_device", "kv_load_failure_policy")
-
-
-def with_beats(
-    config: dict[str, Any] | None, socket_path: str | list[str] | tuple[str, ...]
-) -> dict[str, Any]:
-    """``config`` (a vLLM ``--kv-transfer-config``, or None for none) plus the beat
-    connector, through vLLM's ``MultiConnector``: ``config``'s connector comes first, so
-    it alone answers how many tokens are loaded (the beat connector always answers 0)."""
-    beats = beat_connector_config(socket_path, str((config or {}).get("kv_role", "kv_consumer")))
-    if config is None:
-        return beats
-    if config.get("kv_connector") == "MultiConnector":
-        extra = dict(config.get("kv_connector_extra_config") or {})
-        extra["connectors"] = [*extra.get("connectors", []), beats]
-        return {**config, "kv_connector_extra_config": extra}
-    outer: dict[str, Any] = {"kv_connector": "MultiConnector"}
-    outer.update({k: config[k] for k in _SHARED_FIELDS if k in config})
-    outer["kv_connector_extra_config"] = {"connectors": [dict(config), beats]}
-    return outer
 
 
 # ------------------------------------------------------------------- listener

@@ -7,10 +7,8 @@ config) is the contracts package's (:func:`flowprefill.contracts.processes.decod
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from flowprefill.contracts import KVTransport
@@ -18,10 +16,8 @@ from flowprefill.contracts.deployment import OFFLINE_ENV
 from flowprefill.contracts.processes import Launcher, ProcessSpec, decode_process
 from flowprefill.contracts.processes import decode_env as process_decode_env
 from flowprefill.errors import FlowPrefillError
-from flowprefill.kv.beats import with_beats
 
 LOOPBACK = "127.0.0.1"
-KV_TRANSFER_FLAG = "--kv-transfer-config"
 DECODE_THREADS = 1
 """OpenMP threads per decode instance on this machine (``--decode-threads``)."""
 DECODE_NICE = 10
@@ -79,8 +75,8 @@ def decode_spec(
     cache of hand-offs pulled from prefill (``http``); unused with ``nixl``, where
     ``side_channel_port`` is the instance's own handshake port. ``beat_sockets``: the
     prefill instances with decode-aware preemption on; the instance sends them its step
-    beats (:func:`with_beat_connector`)."""
-    spec = decode_process(
+    beats (:func:`flowprefill.contracts.beats.with_beats`)."""
+    return decode_process(
         Launcher.local(),
         model_path=str(model_dir),
         port=port,
@@ -90,25 +86,8 @@ def decode_spec(
         cpu=True,
         extra_args=decode_args(model_dir, max_model_len),
         side_channel_port=side_channel_port,
+        beat_sockets=beat_sockets,
     )
-    return with_beat_connector(spec, beat_sockets) if beat_sockets else spec
-
-
-def with_beat_connector(spec: ProcessSpec, beat_sockets: Sequence[str]) -> ProcessSpec:
-    """``spec`` (a vLLM decode process) with the beat connector beside its KV connector
-    (vLLM's MultiConnector; :func:`flowprefill.kv.beats.with_beats`), sending step beats to
-    each of ``beat_sockets``. Stock vLLM loads it by ``kv_connector_module_path``: the
-    decode's Python must be able to import ``flowprefill`` (it is, in ``up``)."""
-    args = list(spec.args)
-    try:
-        at = args.index(KV_TRANSFER_FLAG) + 1
-    except ValueError:
-        args += [KV_TRANSFER_FLAG, ""]
-        at, config = len(args) - 1, None
-    else:
-        config = json.loads(args[at])
-    args[at] = json.dumps(with_beats(config, list(beat_sockets)), separators=(",", ":"))
-    return replace(spec, args=tuple(args))
 
 
 def shared_cores_env(threads: int) -> dict[str, str]:

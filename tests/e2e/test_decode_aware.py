@@ -33,8 +33,9 @@ import pytest
 import torch
 
 from flowprefill.contracts import EngineConfig
+from flowprefill.contracts.beats import beat_connector_config
 from flowprefill.contracts.engine import DecodeAwareSettings
-from flowprefill.kv.beats import END, Beat, BeatListener, DecodeState, beat_connector_config
+from flowprefill.kv.beats import END, Beat, BeatListener, DecodeState
 from flowprefill.models import resolve_model_path
 from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.factory import build_executor

@@ -9,22 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from flowprefill.contracts.beats import SOCKET_KEY, beat_connector_config, socket_paths, with_beats
 from flowprefill.kv.beats import (
     END,
     GAP,
     MAX_DATAGRAM,
     MEAN,
-    SOCKET_KEY,
     START,
     Beat,
     BeatListener,
     BeatSender,
     DecodeState,
-    beat_connector_config,
     decode,
     encode,
-    socket_paths,
-    with_beats,
 )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flowprefill.contracts import EngineConfig, SLOTable
-from flowprefill.kv.beats import BEAT_CONNECTOR, SOCKET_KEY
+from flowprefill.contracts.beats import BEAT_CONNECTOR, SOCKET_KEY
 from flowprefill.stack.up import StackPlan, add_arguments, beat_socket_path, plan_stack
 
 
