@@ -14,6 +14,8 @@ and shows the tail of the child's log.
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +29,13 @@ from rich.console import Console
 
 from flowprefill.contracts.processes import ProcessSpec
 from flowprefill.stack.decode import LOOPBACK
+
+log = logging.getLogger(__name__)
+
+AUTOGROUP_NICE_ENV = "FLOWPREFILL_AUTOGROUP_NICE"
+"""``0`` turns off :func:`set_autogroup_nice` (only the per-process nice applies, as
+before); ``1`` or unset leaves it on."""
+_AUTOGROUP_ENABLED = Path("/proc/sys/kernel/sched_autogroup_enabled")
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,57 @@ def _niceness(nice: int) -> Callable[[], None] | None:
     return lower_priority
 
 
+def set_autogroup_nice(
+    pid: int,
+    nice: int,
+    env: dict[str, str] | None = None,
+    proc: Path = Path("/proc"),
+    retry_s: float = 1.0,
+) -> str | None:
+    """Give the autogroup (session) of process ``pid`` the niceness ``nice``; None when set,
+    else why not, in words (the caller falls back to the process's own nice).
+
+    Why: where the kernel schedules by autogroup (``kernel.sched_autogroup_enabled = 1``,
+    ``man 7 sched``), CFS first shares the CPU fairly between sessions, and a process's
+    nice weighs only against processes of its own session. A child started with
+    ``start_new_session=True`` is alone in its session, so its ``os.nice`` alone leaves it
+    an equal share beside the other children; the session's own nice
+    (``/proc/<pid>/autogroup``) is what lowers it. Everything the child starts later stays
+    in that session. Raising a nice needs no privilege. Without ``CAP_SYS_ADMIN`` the kernel
+    accepts one such write per 100 ms machine-wide (EAGAIN otherwise): retried for
+    ``retry_s``.
+
+    Off (a reason returned, nothing written) where ``FLOWPREFILL_AUTOGROUP_NICE=0`` in
+    ``env`` (default ``os.environ``), where ``proc`` has no
+    ``sys/kernel/sched_autogroup_enabled`` or it is not 1, or where the write is refused
+    (no such process, permission). Raises ValueError for a ``FLOWPREFILL_AUTOGROUP_NICE``
+    other than 0 or 1, and for ``nice`` outside -20..19."""
+    if not -20 <= nice <= 19:
+        raise ValueError(f"autogroup nice must be within -20..19, got {nice}")
+    switch = (os.environ if env is None else env).get(AUTOGROUP_NICE_ENV, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{AUTOGROUP_NICE_ENV} must be 0 or 1, got {switch!r}")
+    if switch == "0":
+        return f"{AUTOGROUP_NICE_ENV}=0"
+    enabled = proc / _AUTOGROUP_ENABLED.relative_to("/proc")
+    try:
+        if enabled.read_text().strip() != "1":
+            return "autogroup scheduling is off (kernel.sched_autogroup_enabled)"
+    except OSError:
+        return f"no {enabled}"
+    path = proc / str(pid) / "autogroup"
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            path.write_text(f"{nice}\n")
+            return None
+        except OSError as e:
+            if e.errno == errno.EAGAIN and time.monotonic() < deadline:
+                time.sleep(0.02)  # another autogroup write in the last 100 ms
+                continue
+            return f"{path}: {e.strerror or e}"
+
+
 def describe_exit(returncode: int) -> str:
     """``exit 3`` or ``killed by SIGKILL``."""
     if returncode < 0:
@@ -77,7 +137,12 @@ class Child:
     """Environment of this machine on top of the process's own (caches, offline mode)."""
     nice: int = 0
     """Niceness added to the process (and everything it starts): lower CPU priority when
-    it competes for this machine's cores with the other children."""
+    it competes for this machine's cores with the other children. Applied to the
+    process and, where the kernel groups by session, to its session's autogroup
+    (:func:`set_autogroup_nice`), which is what counts there."""
+    nice_scope: str = ""
+    """Where ``nice`` took effect at the last start: ``autogroup`` (the session's and the
+    process's), ``process`` (the process's only) or empty (``nice`` 0)."""
     proc: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0
     """When it last started, on the supervisor's clock."""
@@ -112,6 +177,21 @@ class Child:
         )
         log.close()  # the child holds its own descriptor
         self.restart_at_s = None
+        self._apply_autogroup_nice()
+
+    def _apply_autogroup_nice(self) -> None:
+        # Popen returned after the child's exec, so it is already in its own session; what
+        # it starts from here on inherits the session (and so its autogroup's nice).
+        if self.nice <= 0 or self.proc is None:
+            self.nice_scope = ""
+            return
+        why_not = set_autogroup_nice(self.proc.pid, self.nice, {**os.environ, **self.env})
+        if why_not is None:
+            self.nice_scope = "autogroup"
+            log.info("%s: nice %d on its session's autogroup", self.name, self.nice)
+        else:
+            self.nice_scope = "process"
+            log.info("%s: nice %d on the process only (%s)", self.name, self.nice, why_not)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

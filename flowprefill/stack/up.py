@@ -78,7 +78,13 @@ from flowprefill.stack.decode import (
     decode_spec,
 )
 from flowprefill.stack.slo import SCALE_AT_TOKENS, load_slo_table, machine_scale, slo_table
-from flowprefill.stack.supervisor import Child, CrashLoopError, RestartPolicy, Supervisor
+from flowprefill.stack.supervisor import (
+    AUTOGROUP_NICE_ENV,
+    Child,
+    CrashLoopError,
+    RestartPolicy,
+    Supervisor,
+)
 
 N = TypeVar("N", bound=Name)
 
@@ -223,8 +229,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--decode-nice",
         type=int,
         default=DECODE_NICE,
-        help="niceness of the decode processes: when they compete with prefill for the "
-        "cores, the first token comes first (0: equal priority; docs/stack.md)",
+        help="niceness of the decode processes, 0-19, set on each one's session (autogroup) "
+        "where the kernel groups by session: when they compete with prefill for the cores, "
+        f"the first token comes first (0: equal priority; {AUTOGROUP_NICE_ENV}=0: the "
+        "process's nice only; docs/stack.md)",
     )
     p.add_argument(
         "--system-malloc",
@@ -435,6 +443,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.prefill < 1 or args.decode < 0:
         raise FlowPrefillError("--prefill must be >= 1 and --decode >= 0")
+    if not 0 <= args.decode_nice <= 19:
+        raise FlowPrefillError(f"--decode-nice must be within 0..19, got {args.decode_nice}")
+    if os.environ.get(AUTOGROUP_NICE_ENV, "1") not in ("0", "1"):
+        raise FlowPrefillError(
+            f"{AUTOGROUP_NICE_ENV} must be 0 or 1, got {os.environ[AUTOGROUP_NICE_ENV]!r}"
+        )
     if args.decode and importlib.util.find_spec("vllm") is None:
         raise FlowPrefillError(
             "decode instances run vLLM, which is not installed here: install it with "
@@ -509,6 +523,12 @@ def supervise(
         (run_dir / "bench-slo.json").write_text(
             json.dumps({c.name: c.ttft_slo_ms / 1e3 for c in table.classes})
         )
+        niced = [c for c in children if c.nice_scope]
+        if niced:  # where decode's nice took effect: its session's autogroup, or the process
+            console.print(
+                "niceness: " + ", ".join(f"{c.name} {c.nice} ({c.nice_scope})" for c in niced),
+                style="dim",
+            )
         console.print(f"configs and logs: {run_dir}; Ctrl-C stops everything")
         while not stopping:
             supervisor.tick()
