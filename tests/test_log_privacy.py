@@ -213,7 +213,7 @@ def test_decode_is_launched_without_request_logging(tmp_path: Path) -> None:
     --enable-log-outputs: the decode commands we launch, parsed by vLLM's own parser,
     leave both off."""
     pytest.importorskip("vllm")
-    from flowprefill_operator.builders.pool import pool_process
+    from flowprefill_operator.builders.processes import pool_process
     from flowprefill_operator.models import ServingPoolSpec
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser

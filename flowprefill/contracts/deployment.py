@@ -30,6 +30,11 @@ COLOCATED_HEALTH_PORT: Final = 8400
 """A colocated pod's launcher (``flowprefill_operator.colocated``): its own probe port,
 ``/health`` and ``/ready`` for both processes. The operator passes it in the launch spec;
 the launcher (standard library only) reads it from there."""
+COLOCATED_BEAT_SOCKET: Final = "/tmp/flowprefill-beats.sock"
+"""A colocated pod's decode beats (decode-aware preemption): vLLM's beat connector sends to
+it, the prefill engine listens on it. Under ``/tmp``, the pod's writable scratch
+(an emptyDir; the root filesystem is read-only), shared by both processes of the one
+container."""
 
 HEALTH_PATH: Final = "/health"
 """Liveness of every process (vLLM's /health too)."""

@@ -141,6 +141,7 @@ def test_prefill_command_config_and_probes() -> None:
                 "progress_thread": None,  # NIXL's own choice per device
             },
         },
+        "decode_aware": None,  # a colocated pool's option (test_operator_colocated_decode_aware)
     }
     svc = by_kind(children, "Service")[0]
     assert svc["spec"]["clusterIP"] == "None"

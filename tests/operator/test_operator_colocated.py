@@ -24,11 +24,11 @@ from flowprefill_operator.builders.rollout import GRACE_MARGIN_S, PRESTOP_SLEEP_
 from flowprefill_operator.colocated import Child, LaunchSpec
 from flowprefill_operator.controllers.kvcheck import NIXL_TP_REFUSED, nixl_problems
 from flowprefill_operator.models import ServingPoolSpec
+from flowprefill_operator.models.colocated import MEMORY_SPLIT_OVER
 from flowprefill_operator.models.servingpool import (
     COLOCATED_DEVICE,
     COLOCATED_MEMORY_ARG,
     COLOCATED_ONLY,
-    MEMORY_SPLIT_OVER,
 )
 from flowprefill_operator.settings import OperatorSettings
 from pydantic import ValidationError

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from flowprefill_operator.builders.gateway import gateway_command
-from flowprefill_operator.builders.pool import pool_process
+from flowprefill_operator.builders.processes import pool_process
 from flowprefill_operator.models import ServingPoolSpec
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name

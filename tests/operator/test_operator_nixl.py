@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from flowprefill_operator.builders import PoolRef, build_pool_children
-from flowprefill_operator.builders.pool import pool_process
+from flowprefill_operator.builders.processes import pool_process
 from flowprefill_operator.controllers.kvcheck import (
     MISMATCH,
     NIXL_TP_REFUSED,

@@ -2,7 +2,8 @@
 
 from .common import Manifest, PoolRef, pool_selector, selector_string
 from .gateway import build_gateway_children, gateway_name, gateway_url, slo_table_name
-from .pool import build_engine_config, build_pool_children
+from .pool import build_pool_children
+from .processes import build_engine_config
 from .slotable import SLOClassView, Verdict, build_slo_table, judge_classes, sha256_hex
 
 __all__ = [

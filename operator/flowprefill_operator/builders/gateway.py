@@ -44,7 +44,7 @@ from .gateway_ha import (
 )
 from .model import tokenizer_dir, tokenizer_parts
 from .overlay import apply_pod_overlay
-from .pool import IMAGE
+from .processes import IMAGE
 
 
 def gateway_name(service: str) -> str:

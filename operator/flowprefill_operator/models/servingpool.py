@@ -11,6 +11,7 @@ from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, MAX_TP_SIZE
 from flowprefill.contracts.names import DType
 
 from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscaling, ReplicasOwner
+from .colocated import ColocatedSettings
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
 from .gateway import GatewaySpec
 from .kvhandoff import KVHandoff, Transport, nixl_cel
@@ -35,12 +36,6 @@ COLOCATED_MEMORY_ARG = (
     "set a colocated pool's vLLM memory share with colocated.decodeMemoryFraction, not "
     "--gpu-memory-utilization in vllmArgs (the operator renders it from the split)"
 )
-MEMORY_SPLIT_OVER = (
-    "colocated.decodeMemoryFraction + colocated.prefillMemoryFraction must not exceed 0.95 "
-    "(the rest of the GPU holds the two processes' CUDA contexts and NCCL's buffers, which "
-    "neither share counts)"
-)
-MAX_COLOCATED_MEMORY = 0.95
 GPU_MEMORY_ARG_PREFIXES = ("--gpu-memory-utilization", "--gpu_memory_utilization")
 DECODE_TP_REFUSED = (
     "vllm.tensorParallelSize must not exceed resources.gpusPerPod: each vLLM rank drives a "
@@ -232,48 +227,6 @@ class VLLMSettings(CRModel):
     )
 
 
-class ColocatedSettings(CRModel):
-    """How a ``role: colocated`` pod splits its GPU(s) between the prefill engine and vLLM
-    decode (docs/operator.md, "Colocated pools"). Both are fractions of each GPU's total
-    memory, as vLLM's ``--gpu-memory-utilization`` is."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "self.decodeMemoryFraction + self.prefillMemoryFraction"
-                    f" <= {MAX_COLOCATED_MEMORY}",
-                    MEMORY_SPLIT_OVER,
-                ),
-            ]
-        }
-    )
-
-    decode_memory_fraction: float = Field(
-        default=0.45,
-        gt=0,
-        lt=1,
-        description="vLLM's share of each GPU: its --gpu-memory-utilization (weights, "
-        "activations and its KV cache fit in it; vLLM refuses to start when it cannot).",
-    )
-    prefill_memory_fraction: float = Field(
-        default=0.45,
-        gt=0,
-        lt=1,
-        description="The prefill engine's share of each GPU: the cap of its torch allocator "
-        "(torch.cuda.set_per_process_memory_fraction in the engine's process; weights, "
-        "activations, parked prefills and the NIXL buffer). Its tensor-parallel followers "
-        "(engine.tpSize above 1) are not capped.",
-    )
-
-    @model_validator(mode="after")
-    def _mirror_cel(self) -> ColocatedSettings:
-        # The CRD's rule, in Python (the same double arithmetic as CEL's).
-        if self.decode_memory_fraction + self.prefill_memory_fraction > MAX_COLOCATED_MEMORY:
-            raise ValueError(MEMORY_SPLIT_OVER)
-        return self
-
-
 class ServingPoolSpec(CRModel):
     """Desired state of a serving pool."""
 
@@ -407,7 +360,8 @@ class ServingPoolSpec(CRModel):
     colocated: ColocatedSettings | None = Field(
         default=None,
         description="role=colocated: the GPU memory split between the prefill engine and "
-        "vLLM (defaults apply if unset; ignored on a pool without GPUs).",
+        "vLLM (defaults apply if unset; ignored on a pool without GPUs), and decode-aware "
+        "preemption between them (off if unset).",
     )
     resources: PoolResources = Field(
         default=PoolResources(), description="GPUs, CPU, memory and placement per pod."
