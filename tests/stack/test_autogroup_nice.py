@@ -158,6 +158,6 @@ def test_the_niced_session_gets_a_small_share_of_a_contended_core(tmp_path: Path
     # Nice 10 weighs 110 against nice 0's 1024: ~10 % of the core. With the per-process
     # nice alone each session gets an equal share: the fallback this test tells apart.
     niced, other = _cpu_shares(tmp_path, {})
-    assert niced < 0.35 * other, (niced, other)
+    assert niced < 0.5 * other, (niced, other)
     niced_off, other_off = _cpu_shares(tmp_path, {AUTOGROUP_NICE_ENV: "0"})
     assert niced_off > 0.6 * other_off, (niced_off, other_off)
