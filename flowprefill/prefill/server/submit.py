@@ -42,11 +42,15 @@ async def run_prefill(
         )
     except EngineClosedError as e:
         return error_response(503, str(e), "service_unavailable")
+    answer = asyncio.wrap_future(fut)
     try:
         # Shielded: the engine owns its future (it must stay settable); a client gone
         # cancels the request in the engine instead, which then fails the future.
-        return await unless_disconnected(request, asyncio.shield(asyncio.wrap_future(fut)))
+        return await unless_disconnected(request, asyncio.shield(answer))
     except ClientDisconnected:
+        # Nobody awaits the answer any more: take its TaskCancelledError when it comes, or
+        # asyncio logs "Future exception was never retrieved" for every client gone.
+        answer.add_done_callback(_retrieve)
         engine.cancel(request_id)
         log.info("client gone: cancelled %s", request_id)
         return error_response(499, "client closed the request", "cancelled")
@@ -59,3 +63,8 @@ async def run_prefill(
     except Exception as e:
         log.exception("prefill of %s failed", request_id)
         return error_response(500, f"prefill failed: {type(e).__name__}: {e}", "server_error")
+
+
+def _retrieve(answer: asyncio.Future[Any]) -> None:
+    if not answer.cancelled():
+        answer.exception()
