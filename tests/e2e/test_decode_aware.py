@@ -1,17 +1,17 @@
-"""End to end: decode-aware preemption keeps a real vLLM decode's gaps within the TBT
-target while a long prefill runs beside it; with the policy off they pass it.
+"""End to end: decode-aware preemption keeps a real vLLM decode's gaps within the TBT target
+while a long prefill runs beside it; with the policy off they pass it.
 
 Real vLLM (stock, CPU, the demo model) decodes one streamed request as ``flowprefill up``
 runs decode on this machine — 1 OpenMP thread, nice 10, its beat connector sending to the
-engine's socket — while a real prefill engine in this process prefills a long prompt
-with every core. Off, the busy prefill starves the niced decode and its gaps grow far past
-the target; on, the engine parks the prefill at operator boundaries just in time for each
-step, so the gaps during the prefill stay within the target (on a quiet machine nearly
-every one; beside other jobs, which starve a niced decode too, the typical one). A gap is
-judged where decode stamps it: between the END beats of two decoding steps (the test taps
-the beats on a socket of its own; a client thread in this process would share the GIL
-with the prefill and time its own delays). The two arms alternate (off, on, off, on) on
-the same servers. Needs vLLM; skipped where it is not installed.
+engine's socket — while a real prefill engine in this process prefills a long prompt, both
+on one core (the shared device). Off, the busy prefill starves the niced decode and its gaps
+grow far past the target; on, the engine parks the prefill at operator boundaries just in
+time for each step, so the gaps during the prefill stay within the target (on a quiet
+machine nearly every one; beside other jobs, which starve a niced decode too, the typical
+one). A gap is judged where decode stamps it: between the END beats of two decoding steps
+(the test taps the beats on a socket of its own; a client thread in this process would share
+the GIL with the prefill and time its own delays). The two arms alternate (off, on, off, on)
+on the same servers. Needs vLLM; skipped where it is not installed.
 """
 
 from __future__ import annotations
@@ -60,6 +60,17 @@ class ConstantPredictor:
         return 1e-3 * num_tokens
 
 
+SHARED_CORE = min(os.sched_getaffinity(0))
+"""The "device" both phases share: decode and the prefill engine run on this one core, so
+a busy prefill holds it exactly as a long prefill holds a GPU (on two free cores a quiet
+machine lends decode the idle one between the prefill's operators, and nothing is due)."""
+
+
+def _on_the_shared_core() -> None:
+    os.sched_setaffinity(0, {SHARED_CORE})
+    os.nice(DECODE_NICE)  # as `up` runs decode
+
+
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("decode-aware")
@@ -76,7 +87,7 @@ def decode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         env=env,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
-        preexec_fn=lambda: os.nice(DECODE_NICE),  # as `up` runs decode
+        preexec_fn=_on_the_shared_core,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -174,12 +185,18 @@ def test_decode_aware_preemption_keeps_real_decode_gaps_within_target(
 ) -> None:
     # Operators split at a quarter of the target, as `up --decode-aware` does: a park can
     # only come at a checkpoint.
-    config = EngineConfig(model_path="demo-llama", max_blocking_ms=TBT_S * 1e3 / 4)
-    executor = build_executor(config)
+    config = EngineConfig(model_path="demo-llama", max_blocking_ms=TBT_S * 1e3 / 4, num_threads=1)
+    # The engine's threads (started from this one) inherit the shared core.
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {SHARED_CORE})
     try:
-        arms = [run_arm(decode, executor, on) for on in (False, True, False, True)]
+        executor = build_executor(config)
+        try:
+            arms = [run_arm(decode, executor, on) for on in (False, True, False, True)]
+        finally:
+            executor.close()
     finally:
-        executor.close()
+        os.sched_setaffinity(0, cores)
     for arm in arms:
         print(arm.summary())
     for off, on in ((arms[0], arms[1]), (arms[2], arms[3])):
