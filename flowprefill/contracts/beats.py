@@ -11,6 +11,9 @@ BEAT_CONNECTOR = "FlowPrefillBeatConnector"
 BEAT_CONNECTOR_MODULE = "flowprefill.kv.beat_connector"
 SOCKET_KEY = "beat_socket"
 """``kv_connector_extra_config`` key of the beat connector: the listener's socket path."""
+MAX_SOCKET_PATH_BYTES = 107
+"""Longest beat socket path: a Unix socket address (``sun_path``) holds 107 bytes and a NUL
+on Linux."""
 
 
 def socket_paths(value: object) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from pydantic import (
     field_validator,
 )
 
+from flowprefill.contracts.beats import MAX_SOCKET_PATH_BYTES
 from flowprefill.contracts.deployment import KERNELS_ENV, default_kv_dir, env_or
 from flowprefill.contracts.names import (
     Batching,
@@ -219,10 +220,10 @@ class DecodeAwareSettings(BaseModel):
     @field_validator("socket_path")
     @classmethod
     def _socket_path(cls, value: str) -> str:
-        # sun_path holds 107 bytes and a NUL on Linux.
-        if not value or len(value.encode()) > 107:
+        if not value or len(value.encode()) > MAX_SOCKET_PATH_BYTES:
             raise ValueError(
-                f"socket_path {value!r} must be a non-empty path of at most 107 bytes "
+                f"socket_path {value!r} must be a non-empty path of at most "
+                f"{MAX_SOCKET_PATH_BYTES} bytes "
                 "(a Unix socket address)"
             )
         return value

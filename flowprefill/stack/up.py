@@ -18,7 +18,6 @@ meaning on a laptop.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar, cast
+from typing import TypeVar
 
 from rich.console import Console
 
@@ -77,6 +76,7 @@ from flowprefill.stack.decode import (
     decode_env,
     decode_spec,
 )
+from flowprefill.stack.decode_aware import beat_socket_path, decode_aware_blocking_ms
 from flowprefill.stack.slo import SCALE_AT_TOKENS, load_slo_table, machine_scale, slo_table
 from flowprefill.stack.supervisor import (
     AUTOGROUP_NICE_ENV,
@@ -287,31 +287,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="nixl transport: run NIXL's progress thread in prefill and decode, as on a GPU "
         "node (each polls a core without sleeping; off by default on this CPU host)",
     )
-
-
-DECODE_AWARE_BLOCKING_SHARE = 0.25
-"""With decode-aware preemption, operators are split so that no stretch between two
-checkpoints runs longer than this share of the TBT target (unless ``--max-blocking-ms``
-says otherwise): a park can only come at a checkpoint, and a stretch as long as the
-target leaves decode no time (docs/executor.md)."""
-
-
-def decode_aware_blocking_ms(args: argparse.Namespace) -> float | Literal["off"]:
-    """``--max-blocking-ms``, else a quarter of the TBT target decode-aware parks protect."""
-    if args.max_blocking_ms is not None:
-        return cast(float | Literal["off"], args.max_blocking_ms)
-    tbt = getattr(args, "decode_aware_tbt", DEFAULT_TBT_TARGET_S)
-    return float(tbt) * 1e3 * DECODE_AWARE_BLOCKING_SHARE
-
-
-def beat_socket_path(run_dir: Path, index: int) -> str:
-    """Where prefill instance ``index`` listens for decode's beats: in the run folder,
-    or under /tmp when that path is too long for a Unix socket address (107 bytes)."""
-    path = str(run_dir / f"beats-{index}.sock")
-    if len(path.encode()) <= 107:
-        return path
-    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
-    return f"/tmp/flowprefill-beats-{digest}-{index}.sock"
 
 
 @dataclass(frozen=True)

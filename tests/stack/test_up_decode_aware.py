@@ -11,7 +11,8 @@ import pytest
 
 from flowprefill.contracts import EngineConfig, SLOTable
 from flowprefill.contracts.beats import BEAT_CONNECTOR, SOCKET_KEY
-from flowprefill.stack.up import StackPlan, add_arguments, beat_socket_path, plan_stack
+from flowprefill.stack.decode_aware import beat_socket_path
+from flowprefill.stack.up import StackPlan, add_arguments, plan_stack
 
 
 def _plan(tmp_path: Path, *flags: str) -> StackPlan:
