@@ -69,7 +69,14 @@ from rich.table import Table
 # package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.stack.common import Server, up_server, vllm_server, wait_all
+from benchmarks.stack.common import (
+    Server,
+    hop_means_ms,
+    scrape_all,
+    up_server,
+    vllm_server,
+    wait_all,
+)
 from benchmarks.stack.vs_vllm import (
     CHUNK_TOKENS_PAPER,
     VOCAB,
@@ -390,6 +397,7 @@ def main() -> None:
                             f"TTFT {a['ttft']:6.1%}  TBT {a['tbt']:6.1%} "
                             f"(every gap {a['tbt_every']:6.1%})  both {a['both']:6.1%}  "
                             f"errors {a['errors']}"
+                            + "".join(f"  {k} {v:g}" for k, v in res["stack"].items())
                         )
     finally:
         for s in servers:
@@ -457,6 +465,7 @@ def run_probe(
     n = max(args.min_requests, math.ceil(rate * args.duration))
     reqs = make_requests(workload.head(n), rate, args.length_scale)
     bar = progress.add_task(f"  {server.name} @ {rate:.3g} req/s", total=len(reqs))
+    before = scrape_all(server)
     t0 = time.monotonic()
     # round_index from the round and the rate: every system gets the same prompts at a
     # (round, rate), and no server sees a prompt twice (vLLM's prefix cache would skip it).
@@ -465,11 +474,13 @@ def run_probe(
             reqs, opts, lambda _: progress.advance(bar), round_index=rnd * 10**6 + round(rate * 1e4)
         )
     )
+    wall_s = time.monotonic() - t0
     progress.remove_task(bar)
     return {
         "rate": rate,
         "round": rnd,
-        "wall_s": time.monotonic() - t0,
+        "wall_s": wall_s,
+        "stack": hop_means_ms(before, scrape_all(server)),
         "classes": summarize(outcomes),
         "missed": [
             {

@@ -277,6 +277,10 @@ def hop_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str,
         if n > 0:
             out[label] = round(delta(f"{name}_sum") / n * 1e3, 1)
     out["preemptions"] = delta("prefill:flowprefill_prefill_preemptions_total")
+    parks = delta("prefill:flowprefill_prefill_decode_parks_total")
+    if parks > 0:  # decode-aware preemption (`up --decode-aware`)
+        out["decode parks"] = parks
+        out["parked s"] = round(delta("prefill:flowprefill_prefill_decode_parked_seconds_total"), 2)
     n = delta("prefill:flowprefill_prefill_batch_requests_count")
     if n > 0:
         out["mean batch"] = round(delta("prefill:flowprefill_prefill_batch_requests_sum") / n, 2)

@@ -199,6 +199,7 @@ class PrefillEngine:
                 DecodeState(decode_aware.tbt_target_s, decode_aware.rule),
                 max_park_s=decode_aware.max_park_s,
                 on_park=self._count_decode_park,
+                budget=self._ttft_budget,
             )
             self.pool.decode_yield = self.decode_yield
         self.loop = SchedulerLoop(
@@ -355,6 +356,12 @@ class PrefillEngine:
         if len(outputs) != len(prompts):
             raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(prompts)}")
         return outputs
+
+    def _ttft_budget(self, task: Task) -> tuple[float, float]:
+        """What a decode-aware park must leave intact (the task's own thread): seconds until
+        the task's earliest deadline, and its predicted prefill seconds."""
+        deadline = min(r.deadline_s for r in task.requests)
+        return deadline - self.clock(), self.scheduler.predict_s(task.num_tokens)
 
     def _count_decode_park(self, seconds: float) -> None:
         """A task parked for decode (its own thread): parks and parked time."""

@@ -134,7 +134,7 @@ class ExecutionPool(Generic[R]):
         error: BaseException | None = None
         decode = control.decode_yield
         if decode is not None:
-            decode.task_started()  # steps decode runs from now are not solo
+            decode.task_started(control, task)  # steps decode runs from now are not solo
         try:
             with activate(control):
                 result = self._run_fn(task, control)

@@ -54,6 +54,7 @@ class TaskControl:
         "_parked",
         "_resume",
         "cancelled",
+        "decode_budget",
         "decode_yield",
         "device_sync",
         "gate",
@@ -76,6 +77,9 @@ class TaskControl:
         self.decode_yield: DecodeYield | None = None
         """Decode-aware preemption (:mod:`flowprefill.prefill.executor.decode_yield`): park
         for a decode step whose TBT is at risk. None: the policy is off."""
+        self.decode_budget: tuple[float, float] | None = None
+        """Set by the policy when the task starts: (its earliest deadline, its predicted
+        seconds), which a park must leave intact. None: unknown."""
         self.gate: CheckpointGate | None = None
         """Tensor parallelism: decides at which checkpoint this rank parks, so that every
         rank parks at the same one (:mod:`flowprefill.prefill.tp.agreement`). None: park at the

@@ -22,6 +22,7 @@ from flowprefill.kv.beats import END, GAP, MEAN, START, Beat, BeatListener, Beat
 from flowprefill.prefill.executor.decode_yield import DecodeYield, Parkable
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
+from flowprefill.prefill.request import Request, Task
 from tests.prefill.executor.helpers import TIMEOUT_S, TaskThread
 
 
@@ -85,6 +86,55 @@ def test_mean_rule_lets_banked_slack_run_prefill() -> None:
     assert DecodeYield(gap).should_park(10.2)
     assert not DecodeYield(mean).should_park(10.2)
     assert mean.next_deadline_s == pytest.approx(14.1)
+
+
+def _halfway(budget: tuple[float, float] | None) -> TaskControl:
+    """A task halfway through its checkpoints, with ``budget`` (deadline, predicted s)."""
+    control = TaskControl()
+    control.num_checkpoints, control.num_checkpoints_expected = 5, 10
+    control.decode_budget = budget
+    return control
+
+
+@pytest.mark.parametrize(
+    ("deadline", "parks"),
+    [
+        (10.59, True),  # 10.075 + 0.01 parked + 0.5 s left <= 10.59
+        (10.58, False),  # ... > 10.58: the park would cost the task its deadline
+        (10.2, False),  # already late: a park would only delay the queue behind it
+        (None, True),  # no budget known: decode's target alone decides
+    ],
+)
+def test_a_park_never_costs_the_running_tasks_deadline(deadline: float | None, parks: bool) -> None:
+    state = _decoding()  # at 10.075 a park is due (test_goes_on_while_decode_can_still_make_it)
+    vetoed: list[None] = []
+    decide = DecodeYield(
+        state, max_park_s=0.05, on_veto=lambda: vetoed.append(None), clock=lambda: 10.075
+    )
+    decide.stretch_s = 0.02
+    control = _halfway(None if deadline is None else (deadline, 1.0))
+    assert decide.solo_left_s(10.075) == pytest.approx(0.01)
+    decide.at_checkpoint(control)  # no END comes: a park here times out after 0.05 s
+    assert (decide.parks, decide.vetoes, len(vetoed)) == ((1, 0, 0) if parks else (0, 1, 1))
+
+
+def test_a_task_gets_its_budget_on_the_policys_clock_when_it_starts() -> None:
+    seen: list[Task] = []
+
+    def budget(task: Task) -> tuple[float, float]:
+        seen.append(task)
+        return 0.4, 0.3  # deadline 0.4 s away, 0.3 s of prefill predicted
+
+    decide = DecodeYield(DecodeState(0.1), budget=budget, clock=lambda: 50.0)
+    task = Task([Request.create("r", arrival_s=0.0, ttft_slo_s=1.0, num_tokens=8)])
+    control = TaskControl()
+    decide.task_started(control, task)
+    assert seen == [task] and control.decode_budget == (50.4, 0.3)
+    assert decide.state.prefill_running == 1
+    decide.task_ended()
+    assert decide.state.prefill_running == 0
+    assert DecodeYield.affordable(control, 50.0, 0.1)  # 50.0 + 0.1 + 0.3 <= 50.4
+    assert not DecodeYield.affordable(control, 50.0, 0.11)
 
 
 def test_settings_are_checked() -> None:

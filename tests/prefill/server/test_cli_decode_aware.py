@@ -91,3 +91,22 @@ def test_engine_listens_parks_and_counts(tmp_path: Path) -> None:
     assert (sample("flowprefill_prefill_decode_parks_total") or 0) >= 1
     assert (sample("flowprefill_prefill_decode_parked_seconds_total") or 0) > 0
     assert sample("flowprefill_prefill_decode_park_timeouts_total") == 0
+
+
+def test_engine_vetoes_a_park_that_would_cost_a_tight_tasks_deadline(tmp_path: Path) -> None:
+    sock = str(tmp_path / "b.sock")
+    config = resolve_config(_args("--decode-aware-socket", sock, "--decode-aware-tbt", "0.01"))
+    engine = build_engine(config, _Backend(), _Predictor())
+    sender = BeatSender(sock)
+    with engine:
+        decide = engine.decode_yield
+        assert decide is not None
+        sender.send(END, 1, ["a"])
+        sender.send(START, 2, ["a"])  # decode mid-step, its token due in 10 ms, throughout
+        # 3 ms predicted against a 2 ms target: late from the start, so it never parks.
+        engine.submit([1, 2, 3], ttft_slo_s=0.002).result(timeout=30)
+        sender.send(END, 2, [])
+    sender.close()
+    assert decide.parks == 0 and decide.vetoes > 0
+    sample = engine.metrics.registry.get_sample_value
+    assert (sample("flowprefill_prefill_decode_parks_total") or 0) == 0
