@@ -99,12 +99,20 @@ class SLOAwareBatching:
         allowed_s = self.fraction * (leader.deadline_s - now_s)
         num_tokens = leader.num_tokens
         take_at_most(candidates, token_budget - num_tokens)
+        # With a predictor that never decreases in the token count, a full budget that
+        # fits the leader's time means every batch within the budget does: no candidate
+        # needs a prediction (the usual case for a feasible leader; same decisions).
+        fits_all = (
+            isinstance(candidates, Candidates)
+            and candidates.monotone
+            and allowed_s > predict_s(token_budget)
+        )
         for r in candidates:
             grown = num_tokens + r.num_tokens
             # The budget is inclusive: a batch of exactly token_budget tokens is admitted.
             if grown > token_budget:
                 continue
-            if allowed_s > predict_s(grown):
+            if fits_all or allowed_s > predict_s(grown):
                 batch.append(r)
                 num_tokens = grown
                 take_at_most(candidates, token_budget - num_tokens)

@@ -102,6 +102,9 @@ class Scheduler:
         self._known_ids: set[str] = set()
         self._queue = WaitingQueue(self.policy)
         """``Q_w`` in priority order: a round looks at the requests it may pick only."""
+        self._full_s: dict[int, float] = {}
+        """task_id -> predicted time of the whole task, for the tasks this scheduler holds
+        (a task's requests never change, so a round keys it without predicting again)."""
 
     # ------------------------------------------------------------------ events
 
@@ -127,6 +130,7 @@ class Scheduler:
     def finish(self, task: Task, now_s: float, *, failed: bool = False) -> None:
         """A completion: ``task`` left the execution pool (done or failed)."""
         self.parked_memory.unpark(task)
+        self._full_s.pop(task.task_id, None)
         if self.running is task:
             self.running = None
         elif self.preempted.pop(task.task_id, None) is None:
@@ -176,8 +180,11 @@ class Scheduler:
             return RankInput(
                 item.deadline_s, item.arrival_s, self.predict_s(item.num_tokens), item.seq
             )
-        leader = item.leader
-        remaining = self.predict_s(item.num_tokens) * max(0.0, 1.0 - item.progress)
+        leader = item.requests[0]
+        full_s = self._full_s.get(item.task_id)
+        if full_s is None:
+            full_s = self.predict_s(item.num_tokens)
+        remaining = full_s * max(0.0, 1.0 - item.progress)
         return RankInput(leader.deadline_s, leader.arrival_s, remaining, leader.seq)
 
     def sort_key(self, item: Request | Task, now_s: float) -> SortKey:
@@ -201,19 +208,27 @@ class Scheduler:
 
         Looks at the running and preempted tasks and at the waiting requests it may pick
         or batch only (:mod:`.waiting`), never ranks the whole queue."""
-        self.stats.num_rounds += 1
-        out = SchedulerOutput(self.stats.num_rounds, now_s)
-        keyed: list[tuple[SortKey, Request | Task]] = [
-            (self.sort_key(task, now_s), task) for task in self._tasks()
-        ]
+        stats = self.stats
+        stats.num_rounds += 1
+        out = SchedulerOutput(stats.num_rounds, now_s)
+        # The smallest key of the running task, the parked ones and the queue's most
+        # urgent request, in that order (keys are unique: they end with a seq).
+        policy = self.policy
+        running = self.running
+        best: Request | Task | None = running
+        best_key: SortKey | None = None
+        if running is not None:
+            best_key = policy.sort_key(self.rank_input(running), now_s)
+        for task in self.preempted.values():
+            key = policy.sort_key(self.rank_input(task), now_s)
+            if best_key is None or key < best_key:
+                best_key, best = key, task
         most_urgent = self._queue.first(now_s)
-        if most_urgent is not None:
-            keyed.append(most_urgent)
-        if not keyed:
+        if most_urgent is not None and (best_key is None or most_urgent[0] < best_key):
+            best_key, best = most_urgent
+        if best is None or best is running:
             return out
-        _best_key, best = min(keyed, key=lambda kv: kv[0])
-        if best is self.running:
-            return out
+        assert best_key is not None
 
         if self._declines(best, out):
             return out
@@ -227,7 +242,7 @@ class Scheduler:
                 predict_s=self.predict_s,
                 token_budget=self.token_budget,
             )
-            self._switch(Task(self._within_rank(batch, now_s)), out, now_s, submit=True)
+            self._switch(Task(self._within_rank(batch, best_key, now_s)), out, now_s, submit=True)
         else:
             self._switch(best, out, now_s, submit=False)
         return out
@@ -255,9 +270,13 @@ class Scheduler:
             out.commands.append(Command(CommandKind.PREEMPT, victim))
             self.stats.num_preemptions += 1
         if submit:
+            waiting, remove = self.waiting, self._queue.remove
+            num_tokens = 0
             for r in target.requests:
-                del self.waiting[r.request_id]
-                self._queue.remove(r.request_id)
+                del waiting[r.request_id]
+                remove(r.request_id)
+                num_tokens += r.num_tokens
+            self._full_s[target.task_id] = self.predict_s(num_tokens)
             out.commands.append(Command(CommandKind.SUBMIT, target))
             self.stats.num_submits += 1
         else:
@@ -280,17 +299,19 @@ class Scheduler:
                 break
         return min(keys, default=None)
 
-    def _within_rank(self, batch: list[Request], now_s: float) -> list[Request]:
+    def _within_rank(
+        self, batch: list[Request], leader_key: SortKey, now_s: float
+    ) -> list[Request]:
         """``batch`` without the trailing members that make it rank below an entry left
         outside it. A batch is ranked by its leader's deadline and the whole batch's
         predicted time, so a member can turn a feasible leader's batch infeasible (greedy
         batching fills the budget whatever the members' deadlines): the batch would
         then run although an entry outside it ranks higher — the task it just preempted,
         say — and be preempted by it at the next round. The leader alone is the best
-        entry, so this keeps at least the leader."""
+        entry (of key ``leader_key``), so this keeps at least the leader."""
         if len(batch) == 1:
             return batch
-        if self._batch_key(batch, now_s) <= self.sort_key(batch[0], now_s):
+        if self._batch_key(batch, now_s) <= leader_key:
             # The leader ranks first of every runnable entry, so the whole batch ranking
             # no lower does too: nothing would be trimmed (the usual case: a batch that
             # keeps its leader feasible keeps its key), and no outside entry is looked up.

@@ -17,8 +17,10 @@ Every key ends with ``(arrival_s, seq)`` so the order is total and deterministic
 A key moves with time at one instant at most: :meth:`PriorityPolicy.phases` says which
 (``switch_s``: an entry's latest feasible start for S-EDF, its deadline for D-EDF, never
 for EDF and FCFS) and the keys before, at and after it. ``sort_key`` is defined through
-it, so a queue indexed by phases (:mod:`flowprefill.prefill.scheduler.waiting`) orders
-entries exactly as ranking them all would.
+it (each policy's own ``sort_key`` computes the one key it needs without building the
+others; ``tests/prefill/scheduler/test_policies.py`` checks the two agree), so a queue
+indexed by phases (:mod:`flowprefill.prefill.scheduler.waiting`) orders entries exactly
+as ranking them all would.
 """
 
 from __future__ import annotations
@@ -104,6 +106,17 @@ class _ByPhases:
         return self.phases(entry).key(now_s)
 
 
+def _signed_deadline_key(switch_s: float, entry: RankInput, now_s: float) -> SortKey:
+    """``_signed_deadline_phases(switch_s, entry).key(now_s)`` without building the three
+    keys (a round keys the running task and its batch this way; the tests compare the
+    two on every side of the switch)."""
+    if now_s < switch_s:
+        return (0.0, entry.deadline_s, entry.arrival_s, entry.seq)
+    if now_s == switch_s:
+        return (1.0, 0.0, entry.arrival_s, entry.seq)
+    return (2.0, -entry.deadline_s, entry.arrival_s, entry.seq)
+
+
 class SlackEDF(_ByPhases):
     """S-EDF, the paper's policy (§5.2, eq. 3). The sign of the slack is that of
     ``latest_start - now`` (``latest_start = deadline - remaining``): one subtraction, so
@@ -122,6 +135,9 @@ class SlackEDF(_ByPhases):
     def phases(self, entry: RankInput) -> Phases:
         return _signed_deadline_phases(self.latest_start_s(entry), entry)
 
+    def sort_key(self, entry: RankInput, now_s: float) -> SortKey:
+        return _signed_deadline_key(entry.deadline_s - entry.predicted_remaining_s, entry, now_s)
+
     def priority(self, entry: RankInput, now_s: float) -> float:
         return _sgn(self.slack_s(entry, now_s)) / entry.deadline_s
 
@@ -134,6 +150,9 @@ class DeadlineEDF(_ByPhases):
     def phases(self, entry: RankInput) -> Phases:
         return _signed_deadline_phases(entry.deadline_s, entry)
 
+    def sort_key(self, entry: RankInput, now_s: float) -> SortKey:
+        return _signed_deadline_key(entry.deadline_s, entry, now_s)
+
     def priority(self, entry: RankInput, now_s: float) -> float:
         return _sgn(entry.deadline_s - now_s) / entry.deadline_s
 
@@ -144,6 +163,9 @@ class EDF(_ByPhases):
     def phases(self, entry: RankInput) -> Phases:
         return Phases.fixed((entry.deadline_s, entry.arrival_s, entry.seq))
 
+    def sort_key(self, entry: RankInput, now_s: float) -> SortKey:
+        return (entry.deadline_s, entry.arrival_s, entry.seq)
+
     def priority(self, entry: RankInput, now_s: float) -> float:
         return 1.0 / entry.deadline_s
 
@@ -153,6 +175,9 @@ class FCFS(_ByPhases):
 
     def phases(self, entry: RankInput) -> Phases:
         return Phases.fixed((entry.arrival_s, entry.seq))
+
+    def sort_key(self, entry: RankInput, now_s: float) -> SortKey:
+        return (entry.arrival_s, entry.seq)
 
     def priority(self, entry: RankInput, now_s: float) -> float:
         return -entry.arrival_s

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flowprefill.contracts import EngineConfig
 from flowprefill.contracts.names import Admission, Batching, Policy, Router
 from flowprefill.errors import UnknownNameError
 from flowprefill.lab.sim.gateway import ADMISSIONS, ROUTERS, get_admission, get_router
 from flowprefill.prefill.scheduler.batching import BATCHING, get_batching
-from flowprefill.prefill.scheduler.policies import POLICIES, SlackEDF, get_policy
+from flowprefill.prefill.scheduler.policies import POLICIES, RankInput, SlackEDF, get_policy
 
 
 def test_every_registry_is_keyed_by_its_enum() -> None:
@@ -47,3 +51,28 @@ def test_an_unknown_name_lists_the_valid_ones(build, kind: str) -> None:  # type
     with pytest.raises(UnknownNameError, match=f"unknown {kind} 'lifo'") as e:
         build("lifo")
     assert e.value.known
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    deadline=st.floats(0.001, 1e6),
+    arrival=st.floats(0.0, 1e6),
+    remaining=st.floats(0.0, 1e3),
+    seq=st.integers(0, 10**6),
+    offset=st.floats(-10.0, 10.0),
+)
+def test_each_policys_own_sort_key_is_its_phases_key(
+    deadline: float, arrival: float, remaining: float, seq: int, offset: float
+) -> None:
+    # The policies compute the key a round needs directly; it must be the phases' key at
+    # every instant: before the switch, exactly at it (slack zero) and after it.
+    entry = RankInput(deadline, arrival, remaining, seq)
+    for name in Policy:
+        policy = get_policy(name)
+        phases = policy.phases(entry)
+        instants = [deadline + offset, arrival + offset, deadline - remaining]
+        if phases.switch_s != math.inf:
+            instants += [phases.switch_s, math.nextafter(phases.switch_s, -math.inf)]
+            instants += [math.nextafter(phases.switch_s, math.inf)]
+        for now in instants:
+            assert policy.sort_key(entry, now) == phases.key(now), (name, now)

@@ -144,12 +144,42 @@ def test_a_monotone_profile_lets_batching_skip_what_is_too_slow() -> None:
     wavy = PREDICTORS["wavy"]  # 0.1 + (n % 700) ms: 699 tokens slow, 700 fast again
     batches = []
     for monotone in (False, True):
-        s = Scheduler(predict_s=wavy, token_budget=2000, predict_monotone=monotone)
+        # A full budget is too slow here (2,090 tokens: 0.79 s), so candidates are checked.
+        s = Scheduler(predict_s=wavy, token_budget=2090, predict_monotone=monotone)
         s.add(Request.create("lead", arrival_s=0.0, ttft_slo_s=0.75, num_tokens=1))
         s.add(Request.create("slow", arrival_s=0.0, ttft_slo_s=6.0, num_tokens=698))
         s.add(Request.create("fast", arrival_s=0.0, ttft_slo_s=6.5, num_tokens=699))
         batches.append([r.request_id for r in s.schedule(0.0).commands[0].task.requests])
     assert batches == [["lead", "fast"], ["lead"]]
+
+
+def test_a_monotone_profile_whose_full_budget_fits_predicts_no_candidate() -> None:
+    # Slo-aware batching with a monotone predictor asks for the full budget's time once:
+    # when that fits the leader, every batch within the budget does.
+    calls: list[int] = []
+    linear = TTFTPredictor(coefficients=[0.0, 0.001])
+
+    def counted(n: int) -> float:
+        calls.append(n)
+        return linear.predict_s(n)
+
+    s = Scheduler(predict_s=counted, token_budget=1000, predict_monotone=True)
+    for i, tokens in enumerate((100, 300, 500, 200)):
+        s.add(Request.create(f"r{i}", arrival_s=0.0, ttft_slo_s=2.0 + i, num_tokens=tokens))
+    calls.clear()
+    out = s.schedule(0.0)
+    assert [r.request_id for r in out.commands[0].task.requests] == ["r0", "r1", "r2"]
+    # The budget was predicted, the grown batch of 400 tokens never (900: the task's time).
+    assert 1000 in calls and 400 not in calls
+    # Forced on for a predictor that is not monotone, it admits what is too slow (what
+    # the replay would catch were the flag ever set wrongly): 699 tokens take 0.799 s.
+    batches = []
+    for monotone in (False, True):
+        s = Scheduler(predict_s=PREDICTORS["wavy"], token_budget=2000, predict_monotone=monotone)
+        s.add(Request.create("lead", arrival_s=0.0, ttft_slo_s=0.75, num_tokens=1))
+        s.add(Request.create("slow", arrival_s=0.0, ttft_slo_s=6.0, num_tokens=698))
+        batches.append([r.request_id for r in s.schedule(0.0).commands[0].task.requests])
+    assert batches == [["lead"], ["lead", "slow"]]
 
 
 def test_only_larger_candidates_are_skipped_after_one_too_slow() -> None:
