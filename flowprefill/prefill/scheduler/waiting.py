@@ -131,9 +131,7 @@ class Candidates:
         self._queue, self._now_s, self._skip = queue, now_s, skip
 
     def __iter__(self) -> Iterator[Request]:
-        for _key, request in self._queue.ordered(self._now_s, self):
-            if request.request_id != self._skip:
-                yield request
+        return self._queue.in_order(self._now_s, self, self._skip)
 
 
 class WaitingQueue:
@@ -180,20 +178,21 @@ class WaitingQueue:
         self._place(entry)
 
     def remove(self, request_id: str) -> Request | None:
-        """Take a request out: its items die where they are (the tops are popped)."""
+        """Take a request out: its items die where they are (its bucket's top is popped;
+        its switch item waits for its instant or the next compaction)."""
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return None
-        self.num_tokens -= entry.request.num_tokens
+        request = entry.request
+        self.num_tokens -= request.num_tokens
         bucket = self._buckets[entry.bucket]
         bucket.live -= 1
-        moves = not entry.late and entry.phases.switch_s != math.inf
-        self._dead += 2 if moves else 1
-        self._pop_dead(bucket.side(entry.late), entry.late)
-        if moves:
-            self._pop_dead_switches()
-        self._compact_if_due()
-        return entry.request
+        late = entry.late
+        self._dead += 1 if late or entry.phases.switch_s == math.inf else 2
+        self._pop_dead(bucket.late if late else bucket.early, late)
+        if self._dead > len(self._entries) + COMPACT_SLACK:
+            self._compact()
+        return request
 
     def _place(self, entry: _Entry) -> None:
         bucket = self._buckets.get(entry.bucket)
@@ -219,19 +218,22 @@ class WaitingQueue:
         return entry
 
     def _pop_dead(self, heap: list[Keyed], late: bool) -> None:
-        while heap and self._live(heap[0][-2], heap[0][-1], late) is None:
-            heapq.heappop(heap)
-            self._dead -= 1
-
-    def _pop_dead_switches(self) -> None:
-        heap = self._switches
-        while heap and self._live(heap[0][2], heap[0][1], False) is None:
+        """Pop the dead items at the top of a bucket's heap (so its top is live)."""
+        entries = self._entries
+        while heap:
+            top = heap[0]
+            entry = entries.get(top[-2])
+            if entry is not None and entry.token == top[-1] and entry.late is late:
+                return
             heapq.heappop(heap)
             self._dead -= 1
 
     def _compact_if_due(self) -> None:
-        if self._dead <= len(self._entries) + COMPACT_SLACK:
-            return
+        if self._dead > len(self._entries) + COMPACT_SLACK:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild every heap without its dead items."""
         for group in self._buckets.values():
             for late in (False, True):
                 kept = [x for x in group.side(late) if self._live(x[-2], x[-1], late)]
@@ -262,15 +264,17 @@ class WaitingQueue:
         if not heap or heap[0][0] >= now_s:
             return
         while heap and heap[0][0] < now_s:
-            _, _, rid = heapq.heappop(heap)
-            entry = self._entries[rid]  # the top is live
+            _, token, rid = heapq.heappop(heap)
+            entry = self._live(rid, token, False)
+            if entry is None:  # its request left: the item was dead
+                self._dead -= 1
+                continue
             bucket = self._buckets[entry.bucket]
             entry.late = True
             self._dead += 1  # its early item
             item = entry.item()
             heapq.heappush(bucket.late, item)
             self._pop_dead(bucket.early, False)
-            self._pop_dead_switches()
         self._compact_if_due()
 
     def _at_now(self, now_s: float) -> list[tuple[int, Keyed]]:
@@ -308,52 +312,75 @@ class WaitingQueue:
     def ordered(
         self, now_s: float, limit: Candidates | None = None
     ) -> Iterator[tuple[SortKey, Request]]:
-        """Every waiting request with its key at ``now_s``, most urgent first; with
+        """Every waiting request with its key at ``now_s``, most urgent first (as
+        :meth:`in_order`, which it reads). The queue must not change while the iterator
+        is in use."""
+        entries = self._entries
+        for request in self.in_order(now_s, limit):
+            yield entries[request.request_id].phases.key(now_s), request
+
+    def in_order(
+        self, now_s: float, limit: Candidates | None = None, skip: str | None = None
+    ) -> Iterator[Request]:
+        """Every waiting request but ``skip``, most urgent first at ``now_s``; with
         ``limit``, those of more than ``limit.max_tokens`` tokens (read as it changes) may
         be left out, a whole bucket at a time where none of it fits. The queue must not
         change while the iterator is in use.
 
         One walk (as :func:`_walk`) over several heaps at once: each bucket's ``early``
         and ``late`` heap and the requests whose instant is exactly now. A bucket that
-        cannot fit any more is not walked further."""
+        cannot fit any more is not walked further. (The hot loop of a submit round's
+        batching: names are local and the liveness test is inline.)"""
         self.advance(now_s)
         at_now = self._at_now(now_s)
-        skip = {item[-2] for _, item in at_now}
+        at_ids = {item[-2] for _, item in at_now} if at_now else None
         room = None if limit is None else limit.max_tokens
-        # Per source: its heap (None: one request at its instant), its bucket
-        # and its side (None: the requests at their instant, which are live).
+        # Per source: its heap (None: one request at its instant), the fewest tokens its
+        # bucket holds, and its side (None: the requests at their instant, all live).
         sources: list[tuple[list[Keyed] | None, int, bool | None]] = []
         frontier: list[tuple[Keyed, int, int]] = []  # (item, source, index in its heap)
         for number, group in self._buckets.items():
-            if limit is not None and (
-                not group.live or (room is not None and smallest_in(number) > room)
-            ):
+            smallest = smallest_in(number)
+            if limit is not None and (not group.live or (room is not None and smallest > room)):
                 continue  # nothing in this bucket can fit
-            for side in (False, True):
-                if group.side(side):
-                    frontier.append((group.side(side)[0], len(sources), 0))
-                    sources.append((group.side(side), number, side))
+            if group.early:
+                frontier.append((group.early[0], len(sources), 0))
+                sources.append((group.early, smallest, False))
+            if group.late:
+                frontier.append((group.late[0], len(sources), 0))
+                sources.append((group.late, smallest, True))
         for number, keyed in at_now:
             frontier.append((keyed, len(sources), 0))
-            sources.append((None, number, None))
+            sources.append((None, smallest_in(number), None))
         heapq.heapify(frontier)
+        entries = self._entries
+        heappop, heappush = heapq.heappop, heapq.heappush
         while frontier:
-            item, source, i = heapq.heappop(frontier)
-            walked, number, late = sources[source]
+            item, source, i = heappop(frontier)
+            walked, smallest, late = sources[source]
             if limit is not None:
                 room = limit.max_tokens
-                if room is not None and smallest_in(number) > room:
+                if room is not None and smallest > room:
                     continue  # nothing left in this bucket can fit: not walked further
             if walked is not None:
-                for child in (2 * i + 1, 2 * i + 2):
-                    if child < len(walked):
-                        heapq.heappush(frontier, (walked[child], source, child))
+                child = 2 * i + 1
+                size = len(walked)
+                if child < size:
+                    heappush(frontier, (walked[child], source, child))
+                    if child + 1 < size:
+                        heappush(frontier, (walked[child + 1], source, child + 1))
             rid = item[-2]
-            if late is not None and rid in skip:
-                continue  # an early item whose instant is now: its key is "at" (own source)
-            entry = self._live(rid, item[-1], late)
-            if entry is not None and (room is None or entry.request.num_tokens <= room):
-                yield (entry.phases.at if late is None else entry.key), entry.request
+            entry = entries.get(rid)
+            if entry is None or entry.token != item[-1]:
+                continue  # dead: its request left
+            if late is not None:
+                if entry.late is not late:
+                    continue  # dead: its request moved to the late side
+                if at_ids is not None and rid in at_ids:
+                    continue  # an early item whose instant is now: its key is "at" (own source)
+            request = entry.request
+            if (room is None or request.num_tokens <= room) and rid != skip:
+                yield request
 
     def requests(self) -> Iterator[Request]:
         """In arrival order of the calls to :meth:`add`."""
