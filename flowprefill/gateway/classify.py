@@ -64,9 +64,9 @@ import hashlib
 import logging
 import math
 import os
+import random
 import re
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -406,14 +406,53 @@ class Job:
         the TTFT budget left at ``now_s`` (ms, at least 1) under llm-d's current names and
         their deprecated aliases (an upstream reads whichever it knows), the priority, the
         TPOT target."""
-        c = self.slo
-        budget_ms = str(max(1, round((self.deadline_s - now_s) * 1e3)))
-        headers = {name: c.name for name in SLO_OBJECTIVE_HEADERS}
-        headers |= {name: budget_ms for name in SLO_TTFT_HEADERS}
-        headers[SLO_PRIORITY_HEADER] = str(c.priority)
-        if c.tpot_slo_ms is not None:
-            headers[SLO_TPOT_HEADER] = str(c.tpot_slo_ms)
+        c = self.classification.slo_class
+        entry = _CLASS_HINTS.get(id(c))
+        if entry is None or entry[0] is not c:
+            entry = _class_hints(c)
+        _, objective, after = entry
+        deadline_s = slo_contract.deadline_s(self.arrival_s, self.classification.ttft_slo_s)
+        budget_ms = str(max(1, round((deadline_s - now_s) * 1e3)))
+        headers = objective.copy()
+        for name in SLO_TTFT_HEADERS:
+            headers[name] = budget_ms
+        headers.update(after)
         return headers
+
+
+_CLASS_HINTS: dict[int, tuple[SLOTableClass, dict[str, str], dict[str, str]]] = {}
+"""id(class) -> (the class, its objective headers, its priority and TPOT headers): the
+hints that do not change per request, made once per class (classes are frozen; a table
+reload makes new ones, whose ids may repeat: the entry holds its class to check)."""
+
+
+def _class_hints(
+    c: SLOTableClass,
+) -> tuple[SLOTableClass, dict[str, str], dict[str, str]]:
+    if len(_CLASS_HINTS) >= 1024:  # reloaded tables' classes: keep it bounded
+        _CLASS_HINTS.clear()
+    after = {SLO_PRIORITY_HEADER: str(c.priority)}
+    if c.tpot_slo_ms is not None:
+        after[SLO_TPOT_HEADER] = str(c.tpot_slo_ms)
+    entry = (c, {name: c.name for name in SLO_OBJECTIVE_HEADERS}, after)
+    _CLASS_HINTS[id(c)] = entry
+    return entry
+
+
+_IDS = random.Random(os.urandom(32))
+"""Request ids' source: seeded from the OS once, reseeded in a forked child (two processes
+must not draw the same ids), and private, so nothing that seeds ``random`` for its own
+reasons makes ids repeat."""
+os.register_at_fork(after_in_child=lambda: _IDS.seed(os.urandom(32)))
+
+
+def random_uuid_hex() -> str:
+    """A random version-4 UUID's 32 hex digits, as ``uuid.uuid4().hex`` writes them (the
+    OpenAI-style request id vLLM writes too), without a system call per id: ids must be
+    unique, not secret."""
+    n = _IDS.getrandbits(128)
+    n = (n & ~(0xF000 << 64) & ~(0xC000 << 48)) | (0x4000 << 64) | (0x8000 << 48)
+    return f"{n:032x}"
 
 
 def intake(
@@ -445,7 +484,7 @@ def intake(
         )
     chat = isinstance(body, ChatCompletionRequest)
     return Job(
-        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{random_uuid_hex()}",
         kind="chat.completion" if chat else "text_completion",
         body=body,
         token_ids=token_ids,

@@ -107,11 +107,65 @@ class DecodeStage:
         if budget <= 0:  # prefill was asked for no hand-off
             yield Piece("", "length")
             return
+        # The decode runs in this generator itself, not in one nested in it: each piece
+        # would pass one more generator on its way to the client.
+        pool, client = self.pool, self.client
         custody = _Custody()
         try:
-            async with aclosing(self._decode(job, answer, budget, custody)) as pieces:
-                async for piece in pieces:
-                    yield piece
+            if pool is None or client is None:
+                raise UpstreamError(503, "this gateway has no decode instances", "no_decode")
+            handoff = await answer.hand_off()
+            attempts = 0
+            loads_handoff = False  # whether the attempt now streaming loads the prompt's KV
+
+            async def attempt(inst: Instance) -> AsyncGenerator[DecodeDelta, None]:
+                nonlocal attempts, loads_handoff
+                assert client is not None
+                attempts += 1
+                # NIXL blocks are freed once a decode has read them, and may hold another
+                # prompt's KV by the time a retry would read them: a retry recomputes.
+                kv = None if attempts > 1 and isinstance(handoff, RemotePrefill) else handoff
+                loads_handoff = kv is not None
+                custody.attempt_live = True  # from the moment it may reach the instance
+                deltas = client.stream(
+                    inst.url,
+                    prompt_token_ids=[*job.token_ids, answer.first_token_id],
+                    max_tokens=budget,
+                    sampling=job.body.decode_sampling(),
+                    handoff=kv,
+                    headers=job.upstream_hints(self.clock()),
+                    request_id=job.request_id,
+                    continuous_usage=job.body.usage_in_chunks,
+                )
+                try:
+                    async with aclosing(deltas):
+                        async for delta in deltas:
+                            yield delta
+                except UpstreamError:
+                    # Refused, answered an error, died or broke the stream: that instance
+                    # will not load it (it did not keep the request, has no connector left,
+                    # or aborts it); a retry elsewhere is live again from its start.
+                    custody.attempt_live = False
+                    raise
+                custody.attempt_live = False  # finished there ([DONE]): vLLM freed it first
+
+            finish: str | None = None
+            work = Placement(job.request_id, job.deadline_s, budget)
+            colocated = answer.response.decode_url
+            pod = pool.paired(colocated, near=answer.prefill_url) if colocated else None
+            admitted = Admitted(job.request_id, pod) if pod is not None else None
+            async with aclosing(failover(pool, work, attempt, admitted)) as deltas:
+                async for delta in deltas:
+                    # Counted before the piece is relayed: its chunk carries the count so far.
+                    if delta.completion_tokens is not None:
+                        job.num_completion_tokens = 1 + delta.completion_tokens
+                    if delta.cached_tokens is not None and not loads_handoff:
+                        job.cached_tokens = delta.cached_tokens
+                    if delta.text or delta.finish_reason:
+                        finish = delta.finish_reason or finish
+                        yield Piece(delta.text, delta.finish_reason)
+            if finish is None:
+                yield Piece("", "length")
         except GatewayError:
             custody.attempt_live = False  # given up on decode: no instance will load it
             raise
@@ -120,61 +174,3 @@ class DecodeStage:
             # client stopped reading while an attempt was live (see the module docstring).
             if not custody.attempt_live:
                 self.prefill_client.release(answer)
-
-    async def _decode(
-        self, job: Job, answer: PrefillAnswer, budget: int, custody: _Custody
-    ) -> AsyncGenerator[Piece, None]:
-        pool, client = self.pool, self.client
-        if pool is None or client is None:
-            raise UpstreamError(503, "this gateway has no decode instances", "no_decode")
-        handoff = await answer.hand_off()
-        attempts = 0
-        loads_handoff = False  # whether the attempt now streaming loads the prompt's KV
-
-        async def attempt(inst: Instance) -> AsyncGenerator[DecodeDelta, None]:
-            nonlocal attempts, loads_handoff
-            attempts += 1
-            # NIXL blocks are freed once a decode has read them, and may hold another
-            # prompt's KV by the time a retry would read them: a retry recomputes.
-            kv = None if attempts > 1 and isinstance(handoff, RemotePrefill) else handoff
-            loads_handoff = kv is not None
-            custody.attempt_live = True  # from the moment it may reach the instance
-            deltas = client.stream(
-                inst.url,
-                prompt_token_ids=[*job.token_ids, answer.first_token_id],
-                max_tokens=budget,
-                sampling=job.body.decode_sampling(),
-                handoff=kv,
-                headers=job.upstream_hints(self.clock()),
-                request_id=job.request_id,
-                continuous_usage=job.body.usage_in_chunks,
-            )
-            try:
-                async with aclosing(deltas):
-                    async for delta in deltas:
-                        yield delta
-            except UpstreamError:
-                # Refused, answered an error, died or broke the stream: that instance will
-                # not load it (it did not keep the request, has no connector left, or aborts
-                # it); a retry elsewhere is live again from its start.
-                custody.attempt_live = False
-                raise
-            custody.attempt_live = False  # finished there ([DONE]): vLLM freed it first
-
-        finish: str | None = None
-        work = Placement(job.request_id, job.deadline_s, budget)
-        colocated = answer.response.decode_url
-        pod = pool.paired(colocated, near=answer.prefill_url) if colocated else None
-        admitted = Admitted(job.request_id, pod) if pod is not None else None
-        async with aclosing(failover(pool, work, attempt, admitted)) as deltas:
-            async for delta in deltas:
-                # Counted before the piece is relayed: its chunk carries the count so far.
-                if delta.completion_tokens is not None:
-                    job.num_completion_tokens = 1 + delta.completion_tokens
-                if delta.cached_tokens is not None and not loads_handoff:
-                    job.cached_tokens = delta.cached_tokens
-                if delta.text or delta.finish_reason:
-                    finish = delta.finish_reason or finish
-                    yield Piece(delta.text, delta.finish_reason)
-        if finish is None:
-            yield Piece("", "length")

@@ -93,6 +93,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size if vocab_size is not None else len(hf_tokenizer)
         self._backend = _plain_backend(hf_tokenizer)
+        self._token_texts: dict[int, str] = {}
 
     def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self._backend is not None:  # the same ids, without the wrapper's ~3x overhead
@@ -131,7 +132,15 @@ class Tokenizer:
         return self.encode_prompt(str(text), add_special_tokens=add_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
-        return str(self.tok.decode([token_id], skip_special_tokens=True))
+        """The text of one token alone, special tokens skipped (a first token's text).
+        Remembered per id: the same for every request, and at most one entry per id of
+        the vocabulary (an id outside it is decoded each time)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = str(self.tok.decode([token_id], skip_special_tokens=True))
+            if 0 <= token_id < self.vocab_size:
+                self._token_texts[token_id] = text
+        return text
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``, special tokens included (vLLM's ``/detokenize``)."""
