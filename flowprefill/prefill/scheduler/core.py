@@ -104,7 +104,8 @@ class Scheduler:
         """``Q_w`` in priority order: a round looks at the requests it may pick only."""
         self._full_s: dict[int, float] = {}
         """task_id -> predicted time of the whole task, for the tasks this scheduler holds
-        (a task's requests never change, so a round keys it without predicting again)."""
+        (a task's requests never change, so a round keys it without predicting again;
+        predicted when first keyed, not in the round that submits it)."""
 
     # ------------------------------------------------------------------ events
 
@@ -184,6 +185,8 @@ class Scheduler:
         full_s = self._full_s.get(item.task_id)
         if full_s is None:
             full_s = self.predict_s(item.num_tokens)
+            if item is self.running or item.task_id in self.preempted:
+                self._full_s[item.task_id] = full_s  # until finish()
         remaining = full_s * max(0.0, 1.0 - item.progress)
         return RankInput(leader.deadline_s, leader.arrival_s, remaining, leader.seq)
 
@@ -271,12 +274,9 @@ class Scheduler:
             self.stats.num_preemptions += 1
         if submit:
             waiting, remove = self.waiting, self._queue.remove
-            num_tokens = 0
             for r in target.requests:
                 del waiting[r.request_id]
                 remove(r.request_id)
-                num_tokens += r.num_tokens
-            self._full_s[target.task_id] = self.predict_s(num_tokens)
             out.commands.append(Command(CommandKind.SUBMIT, target))
             self.stats.num_submits += 1
         else:

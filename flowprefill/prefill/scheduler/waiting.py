@@ -338,40 +338,44 @@ class WaitingQueue:
         # Per source: its heap (None: one request at its instant), the fewest tokens its
         # bucket holds, and its side (None: the requests at their instant, all live).
         sources: list[tuple[list[Keyed] | None, int, bool | None]] = []
-        frontier: list[tuple[Keyed, int, int]] = []  # (item, source, index in its heap)
+        # (*item, source, index in its heap), flat: a flat tuple compares in one pass
+        # where (item, source, index) compares item twice (equality, then order).
+        frontier: list[Keyed] = []
         for number, group in self._buckets.items():
             smallest = smallest_in(number)
             if limit is not None and (not group.live or (room is not None and smallest > room)):
                 continue  # nothing in this bucket can fit
             if group.early:
-                frontier.append((group.early[0], len(sources), 0))
+                frontier.append((*group.early[0], len(sources), 0))
                 sources.append((group.early, smallest, False))
             if group.late:
-                frontier.append((group.late[0], len(sources), 0))
+                frontier.append((*group.late[0], len(sources), 0))
                 sources.append((group.late, smallest, True))
         for number, keyed in at_now:
-            frontier.append((keyed, len(sources), 0))
+            frontier.append((*keyed, len(sources), 0))
             sources.append((None, smallest_in(number), None))
         heapq.heapify(frontier)
         entries = self._entries
         heappop, heappush = heapq.heappop, heapq.heappush
         while frontier:
-            item, source, i = heappop(frontier)
+            item = heappop(frontier)
+            source: int = item[-2]
             walked, smallest, late = sources[source]
             if limit is not None:
                 room = limit.max_tokens
                 if room is not None and smallest > room:
                     continue  # nothing left in this bucket can fit: not walked further
             if walked is not None:
-                child = 2 * i + 1
+                child = 2 * item[-1] + 1
                 size = len(walked)
                 if child < size:
-                    heappush(frontier, (walked[child], source, child))
-                    if child + 1 < size:
-                        heappush(frontier, (walked[child + 1], source, child + 1))
-            rid = item[-2]
+                    heappush(frontier, (*walked[child], source, child))
+                    child += 1
+                    if child < size:
+                        heappush(frontier, (*walked[child], source, child))
+            rid = item[-4]
             entry = entries.get(rid)
-            if entry is None or entry.token != item[-1]:
+            if entry is None or entry.token != item[-3]:
                 continue  # dead: its request left
             if late is not None:
                 if entry.late is not late:
