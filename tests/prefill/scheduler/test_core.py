@@ -250,3 +250,27 @@ def test_a_batch_never_ranks_below_an_entry_it_leaves_outside() -> None:
     assert [r.request_id for r in s.running.requests] == ["urgent"]
     assert "doomed" in s.waiting
     assert s.sort_key(s.running, now) == min(s.sort_key(x, now) for x in s.runnable())
+
+
+def test_a_held_task_is_predicted_once_and_keyed_by_its_progress() -> None:
+    """A task's requests never change, so its whole predicted time is kept while the
+    scheduler holds it; its remaining time still follows its progress."""
+    calls: list[int] = []
+
+    def counted(n: int) -> float:
+        calls.append(n)
+        return n / 1000.0
+
+    s = Scheduler(predict_s=counted, batching=get_batching("none"))
+    s.add(req("A", 1000, arrival=0.0, slo=10.0))
+    s.schedule(0.0)
+    task = s.running
+    assert task is not None
+    for progress in (0.0, 0.5, 0.75):
+        task.progress = progress
+        assert s.rank_input(task).predicted_remaining_s == 1.0 * (1.0 - progress)
+        s.schedule(0.1)  # a no-op round keys the running task
+    assert calls.count(1000) == 2  # on arrival, and the task once
+    s.finish(task, 0.2)
+    assert s.rank_input(task).predicted_remaining_s == 0.25  # no longer kept: predicted
+    assert calls.count(1000) == 3

@@ -136,3 +136,26 @@ def test_a_request_id_that_comes_back_is_read_once_at_its_new_place() -> None:
     queue.add(again, rank(again))
     assert [r.request_id for _, r in queue.ordered(0.0)] == ["a", "c", "b", "d"]
     assert next(iter(Candidates(queue, 0.0, skip="a"))).request_id == "c"
+
+
+def test_a_removed_requests_switch_item_goes_when_its_instant_passes() -> None:
+    """A submit round does not pop a removed request's item from the switch heap; the
+    item goes when its instant passes (or at a compaction), and the order stays right."""
+    queue = WaitingQueue(get_policy("s-edf"))
+    live: dict[str, Request] = {}
+    for i in range(8):  # latest starts 0.5 + i/8 - i*64/1024 = 0.5 + i/16
+        r = Request.create(f"r{i}", arrival_s=0.0, ttft_slo_s=0.5 + i / 8, num_tokens=64 * i + 1)
+        live[r.request_id] = r
+        queue.add(r, rank(r))
+    held = queue.held_items  # each request in its bucket and in the switch heap
+    assert held == 16
+    for rid in ("r0", "r1", "r2"):  # the three earliest latest starts
+        assert queue.remove(rid) is live.pop(rid)
+    assert queue.held_items == held - 3  # bucket items popped (tops), switch items kept
+    assert [r.request_id for _, r in queue.ordered(0.0)] == expected(queue, live, 0.0)
+    now = 0.5 + 2.5 / 16  # past r0-r2's instants, before r3's
+    assert [r.request_id for _, r in queue.ordered(now)] == expected(queue, live, now)
+    assert queue.held_items == held - 6
+    now = 2.0  # everyone late: the rest moved, their early items are dead
+    assert [r.request_id for _, r in queue.ordered(now)] == expected(queue, live, now)
+    assert len(queue) == 5
