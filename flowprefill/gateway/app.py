@@ -51,6 +51,7 @@ from flowprefill.gateway.tokens import Tokenizer
 from flowprefill.gateway.upstream import DecodeClient, PrefillClient
 from flowprefill.web.disconnect import ClientDisconnected, DisconnectWatch, unless_disconnected
 from flowprefill.web.errors import error_response, install_error_handlers
+from flowprefill.web.headers import RequestHeaders
 from flowprefill.web.probes import add_probe_routes
 from flowprefill.web.sse import MEDIA_TYPE
 
@@ -141,7 +142,7 @@ def create_gateway_app(state: GatewayState) -> GatewayApp:
         job = intake(
             body,
             arrival_s=state.clock(),
-            headers=request.headers,
+            headers=RequestHeaders(request.scope["headers"]),  # read once, not per lookup
             path=path,
             model_name=state.model_name,
             table=state.slo_file.table,
