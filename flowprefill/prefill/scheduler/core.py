@@ -324,7 +324,7 @@ class Scheduler:
         whole = RankInput(
             leader.deadline_s,
             leader.arrival_s,
-            self.predict_s(sum(r.num_tokens for r in batch)),
+            self.predict_s(sum([r.num_tokens for r in batch])),
             leader.seq,
         )
         return self.policy.sort_key(whole, now_s)

@@ -87,15 +87,17 @@ class _Entry:
 
 
 class _Sides:
-    """The early and the late heap of one group of requests (a bucket, or all of them)."""
+    """The early and the late heap of one bucket of requests."""
 
-    __slots__ = ("early", "late", "live")
+    __slots__ = ("early", "late", "live", "smallest")
 
-    def __init__(self) -> None:
+    def __init__(self, bucket: int) -> None:
         self.early: list[Keyed] = []
         self.late: list[Keyed] = []
         self.live = 0
         """Waiting requests in this group (the heaps also hold dead items)."""
+        self.smallest = smallest_in(bucket)
+        """The fewest tokens a request of this bucket has."""
 
     def side(self, late: bool) -> list[Keyed]:
         return self.late if late else self.early
@@ -197,7 +199,7 @@ class WaitingQueue:
     def _place(self, entry: _Entry) -> None:
         bucket = self._buckets.get(entry.bucket)
         if bucket is None:
-            bucket = self._buckets[entry.bucket] = _Sides()
+            bucket = self._buckets[entry.bucket] = _Sides(entry.bucket)
         bucket.live += 1
         entry.late = entry.phases.switch_s < self._now_s
         item = entry.item()
@@ -265,15 +267,14 @@ class WaitingQueue:
             return
         while heap and heap[0][0] < now_s:
             _, token, rid = heapq.heappop(heap)
-            entry = self._live(rid, token, False)
-            if entry is None:  # its request left: the item was dead
+            moved = self._live(rid, token, False)
+            if moved is None:  # its request left: the item was dead
                 self._dead -= 1
                 continue
-            bucket = self._buckets[entry.bucket]
-            entry.late = True
+            bucket = self._buckets[moved.bucket]
+            moved.late = True
             self._dead += 1  # its early item
-            item = entry.item()
-            heapq.heappush(bucket.late, item)
+            heapq.heappush(bucket.late, moved.item())
             self._pop_dead(bucket.early, False)
         self._compact_if_due()
 
@@ -301,9 +302,11 @@ class WaitingQueue:
             return next(self.ordered(now_s), None)  # rare: a float instant hit exactly
         best: Keyed | None = None
         for group in self._buckets.values():  # their tops are live
-            for heap in (group.early, group.late):
-                if heap and (best is None or heap[0] < best):
-                    best = heap[0]
+            early, late = group.early, group.late
+            if early and (best is None or early[0] < best):
+                best = early[0]
+            if late and (best is None or late[0] < best):
+                best = late[0]
         if best is None:
             return None
         entry = self._entries[best[-2]]
@@ -341,8 +344,8 @@ class WaitingQueue:
         # (*item, source, index in its heap), flat: a flat tuple compares in one pass
         # where (item, source, index) compares item twice (equality, then order).
         frontier: list[Keyed] = []
-        for number, group in self._buckets.items():
-            smallest = smallest_in(number)
+        for group in self._buckets.values():
+            smallest = group.smallest
             if limit is not None and (not group.live or (room is not None and smallest > room)):
                 continue  # nothing in this bucket can fit
             if group.early:
