@@ -139,3 +139,37 @@ def test_upstream_hints_are_each_requests_own_class() -> None:
     mine = hints(table(3))
     mine["x-dynamo-request-priority"] = "9"
     assert hints(table(3))["x-dynamo-request-priority"] == "3"
+
+
+@pytest.mark.parametrize("n", [1, 100, 101, 5000])
+@pytest.mark.parametrize("has_decode", [False, True])
+def test_prefill_requests_are_what_validating_them_whole_gives(n: int, has_decode: bool) -> None:
+    from flowprefill.contracts.prefill_api import PrefillRequest
+    from flowprefill.gateway.classify import Classification
+    from flowprefill.gateway.metrics import GatewayMetrics
+    from flowprefill.gateway.prefill import PrefillStage
+    from flowprefill.gateway.routing import InstancePool
+    from flowprefill.gateway.upstream import PrefillClient, UpstreamHTTP
+
+    c = table(0).classes[0]
+    ids = [(i * 7919) % 32000 for i in range(n)]
+    body = CompletionRequest(model="m", prompt=ids, max_tokens=4)
+    job = Job("cmpl-9", "text_completion", body, ids, Classification(c, "default"), 100.0)
+    pool = InstancePool("prefill", ["http://i0"], policy="round-robin")
+    stage = PrefillStage(
+        pool, PrefillClient(UpstreamHTTP()), GatewayMetrics(), lambda: 100.5,
+        has_decode=has_decode,
+    )  # fmt: skip
+    got = stage.request(job, 100.02)
+    whole = PrefillRequest(
+        request_id="cmpl-9",
+        prompt_token_ids=ids,
+        ttft_slo_s=0.25,
+        elapsed_s=job.elapsed_s(100.02),
+        slo_class="chat",
+        hand_off_kv=has_decode,
+        stream=has_decode,
+    )
+    assert got == whole and got.model_fields_set == whole.model_fields_set
+    assert got.model_dump_json() == whole.model_dump_json()
+    assert got.prompt_token_ids == ids
