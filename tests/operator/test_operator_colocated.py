@@ -17,7 +17,7 @@ from flowprefill_operator.colocated import LaunchSpec
 from flowprefill_operator.controllers.kvcheck import NIXL_TP_REFUSED, nixl_problems
 from flowprefill_operator.models import ServingPoolSpec
 from flowprefill_operator.models.colocated import MEMORY_SPLIT_OVER
-from flowprefill_operator.models.servingpool import (
+from flowprefill_operator.models.servingpool_rules import (
     COLOCATED_DEVICE,
     COLOCATED_MEMORY_ARG,
     COLOCATED_ONLY,

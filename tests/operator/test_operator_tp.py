@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 from flowprefill_operator.builders import PoolRef, build_pool_children
 from flowprefill_operator.models import ServingPoolSpec
-from flowprefill_operator.models.servingpool import (
+from flowprefill_operator.models.servingpool_rules import (
     TP_ARG_PREFIXES,
     TP_SHORT_FLAG,
     sets_tensor_parallel,

@@ -14,82 +14,35 @@ from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscali
 from .colocated import ColocatedSettings
 from .common import DNS_LABEL, QUANTITY, Condition, CRModel, LabelSelector, cel
 from .gateway import GatewaySpec
-from .kvhandoff import KVHandoff, Transport, nixl_cel
+from .kvhandoff import KVHandoff, Transport
 from .modelsource import ModelSource
 from .podoverlay import PodOverlay, Toleration  # Toleration lives there (the overlay's too)
 from .rollout import RolloutSpec
+from .servingpool_rules import (
+    COLOCATED_DEVICE,
+    COLOCATED_MEMORY_ARG,
+    COLOCATED_ONLY,
+    CPU_BLOCK_MULTIPLE,
+    DECODE_TP_REFUSED,
+    ENGINE_ROLE_ONLY,
+    GPU_MEMORY_ARG_PREFIXES,
+    KV_TRANSPORT_NEEDED,
+    NIXL_BLOCK_SIZE_ARG,
+    NIXL_CPU_BLOCK_SIZE,
+    NIXL_CPU_BLOCK_SIZE_DEFAULT,
+    NIXL_GPU_BLOCK_SIZE,
+    PREFILL_TP_REFUSED,
+    RDMA_NOT_GPU,
+    SPEC_RULES,
+    VLLM_ARGS_ROLE_ONLY,
+    VLLM_ARGS_TP_REFUSED,
+    VLLM_ROLE_ONLY,
+    sets_block_size,
+    sets_tensor_parallel,
+)
 
 MAX_GPUS_PER_POD = 16
 """Most GPUs one pod asks for (no common node has more)."""
-
-PREFILL_TP_REFUSED = (
-    "engine.tpSize must not exceed resources.gpusPerPod when engine.device is cuda: each "
-    "rank of the pod's engine drives a GPU of its own (an unset engine runs cuda, tpSize 1)"
-)
-COLOCATED_ONLY = "colocated applies to role=colocated"
-COLOCATED_DEVICE = (
-    "a colocated pool runs the engine where vLLM runs: engine.device cuda with "
-    "resources.gpusPerPod above 0, engine.device cpu with gpusPerPod 0 (an unset engine "
-    "runs cuda)"
-)
-COLOCATED_MEMORY_ARG = (
-    "set a colocated pool's vLLM memory share with colocated.decodeMemoryFraction, not "
-    "--gpu-memory-utilization in vllmArgs (the operator renders it from the split)"
-)
-GPU_MEMORY_ARG_PREFIXES = ("--gpu-memory-utilization", "--gpu_memory_utilization")
-DECODE_TP_REFUSED = (
-    "vllm.tensorParallelSize must not exceed resources.gpusPerPod: each vLLM rank drives a "
-    "GPU of its own (gpusPerPod 0: vLLM's CPU backend)"
-)
-VLLM_ARGS_TP_REFUSED = (
-    "set the tensor-parallel degree with vllm.tensorParallelSize, not in vllmArgs (the "
-    "operator sizes the pod's GPUs and /dev/shm from it)"
-)
-TP_ARG_PREFIXES = ("--tensor-parallel", "--tensor_parallel", "-tp=")
-TP_SHORT_FLAG = "-tp"
-"""vLLM's spellings of its tensor-parallel flag: ``--tensor-parallel-size 2``, its
-abbreviations and underscore form, ``-tp 2``, ``-tp=2``."""
-
-
-GPU_CEL = (
-    "(self.role == 'prefill' ? (!has(self.engine) || self.engine.device == 'cuda')"
-    " : self.resources.gpusPerPod > 0)"
-)
-"""CEL: the pool runs on GPUs (:attr:`ServingPoolSpec.on_gpu`)."""
-NIXL_CEL = nixl_cel(GPU_CEL)
-KV_TRANSPORT_NEEDED = (
-    "claimName is required with transport sharedDir, the default of kvHandoff on a pool "
-    "without GPUs: set kvHandoff.transport (nixl, http) or kvHandoff.claimName"
-)
-NIXL_BLOCK_SIZE_ARG = (
-    "with transport nixl set the block size with kvHandoff.nixl.blockSize, not --block-size "
-    "in vllmArgs (the operator passes it to decode and to prefill alike)"
-)
-NIXL_CPU_BLOCK_SIZE = (
-    "kvHandoff.nixl.blockSize must be a multiple of 32 on a pool without GPUs "
-    "(vLLM's CPU attention backend)"
-)
-RDMA_NOT_GPU = (
-    "kvHandoff.nixl.rdma.resources must not name resources.gpuResourceName "
-    "(set GPUs with resources.gpusPerPod)"
-)
-BLOCK_SIZE_ARG_PREFIXES = ("--block-size=", "--block_size")
-BLOCK_SIZE_FLAG = "--block-size"
-NIXL_GPU_BLOCK_SIZE = 16
-"""vLLM's default block size on GPU (what decode uses unless told)."""
-NIXL_CPU_BLOCK_SIZE_DEFAULT = 128
-"""The block size of CPU pools (the producer's CPU default; a multiple of 32)."""
-CPU_BLOCK_MULTIPLE = 32
-
-
-def sets_block_size(arg: str) -> bool:
-    """Whether a vLLM argument sets ``--block-size`` (the CRD's rule, in Python)."""
-    return arg == BLOCK_SIZE_FLAG or arg.startswith(BLOCK_SIZE_ARG_PREFIXES)
-
-
-def sets_tensor_parallel(arg: str) -> bool:
-    """Whether a vLLM argument sets the tensor-parallel degree (the CRD's rule, in Python)."""
-    return arg == TP_SHORT_FLAG or arg.startswith(TP_ARG_PREFIXES)
 
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -230,84 +183,7 @@ class VLLMSettings(CRModel):
 class ServingPoolSpec(CRModel):
     """Desired state of a serving pool."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "self.role != 'decode' || !has(self.engine)",
-                    "engine applies to role=prefill or colocated",
-                ),
-                cel(
-                    "self.role != 'prefill' || !has(self.vllmArgs) || size(self.vllmArgs) == 0",
-                    "vllmArgs applies to role=decode or colocated",
-                ),
-                cel(
-                    "self.role != 'prefill' || !has(self.vllm)",
-                    "vllm applies to role=decode or colocated",
-                ),
-                cel("self.role == 'colocated' || !has(self.colocated)", COLOCATED_ONLY),
-                cel(
-                    "self.role != 'colocated' || (has(self.engine) ? self.engine.device == 'cuda'"
-                    " : true) == (self.resources.gpusPerPod > 0)",
-                    COLOCATED_DEVICE,
-                ),
-                cel(
-                    "self.role != 'colocated' || !has(self.vllmArgs) || !self.vllmArgs.exists(a, "
-                    + " || ".join(f"a.startsWith('{p}')" for p in GPU_MEMORY_ARG_PREFIXES)
-                    + ")",
-                    COLOCATED_MEMORY_ARG,
-                ),
-                cel(
-                    "self.role == 'decode' || (has(self.engine) ? self.engine.device != 'cuda'"
-                    " || self.engine.tpSize <= self.resources.gpusPerPod"
-                    " : self.resources.gpusPerPod >= 1)",
-                    PREFILL_TP_REFUSED,
-                ),
-                cel(
-                    "!has(self.vllm) || self.resources.gpusPerPod == 0"
-                    " || self.vllm.tensorParallelSize <= self.resources.gpusPerPod",
-                    DECODE_TP_REFUSED,
-                ),
-                cel(
-                    "!has(self.vllmArgs) || !self.vllmArgs.exists(a, "
-                    f"a == '{TP_SHORT_FLAG}' || "
-                    + " || ".join(f"a.startsWith('{p}')" for p in TP_ARG_PREFIXES)
-                    + ")",
-                    VLLM_ARGS_TP_REFUSED,
-                ),
-                cel(
-                    "!has(self.kvHandoff) || has(self.kvHandoff.transport)"
-                    " || has(self.kvHandoff.claimName) || has(self.kvHandoff.nixl) || " + GPU_CEL,
-                    KV_TRANSPORT_NEEDED,
-                ),
-                cel(
-                    f"!{NIXL_CEL} || !has(self.vllmArgs) || !self.vllmArgs.exists(a, "
-                    f"a == '{BLOCK_SIZE_FLAG}' || "
-                    + " || ".join(f"a.startsWith('{p}')" for p in BLOCK_SIZE_ARG_PREFIXES)
-                    + ")",
-                    NIXL_BLOCK_SIZE_ARG,
-                ),
-                cel(
-                    f"!{NIXL_CEL} || {GPU_CEL} || !has(self.kvHandoff.nixl)"
-                    " || !has(self.kvHandoff.nixl.blockSize)"
-                    f" || self.kvHandoff.nixl.blockSize % {CPU_BLOCK_MULTIPLE} == 0",
-                    NIXL_CPU_BLOCK_SIZE,
-                ),
-                cel(
-                    "!has(self.kvHandoff) || !has(self.kvHandoff.nixl)"
-                    " || !has(self.kvHandoff.nixl.rdma) || !has(self.kvHandoff.nixl.rdma.resources)"
-                    " || !(self.resources.gpuResourceName in self.kvHandoff.nixl.rdma.resources)",
-                    RDMA_NOT_GPU,
-                ),
-                cel(
-                    "self.replicasOwner != 'operator' || has(self.autoscaling)",
-                    OPERATOR_NEEDS_AUTOSCALING,
-                ),
-                cel("self.role == oldSelf.role", "role is immutable"),
-                cel("self.service == oldSelf.service", "service is immutable"),
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": SPEC_RULES})
 
     service: str = Field(
         max_length=40,
@@ -394,14 +270,15 @@ class ServingPoolSpec(CRModel):
 
     @model_validator(mode="after")
     def _mirror_cel(self) -> ServingPoolSpec:
-        # The same rules as the CRD's CEL (the API server's copy); the operator re-checks
-        # so that an object admitted without them (old CRD, emulator) still fails clearly.
+        # The same rules as the CRD's CEL (SPEC_RULES, the API server's copy); the operator
+        # re-checks so that an object admitted without them (old CRD, emulator) still fails
+        # clearly.
         if self.role == "decode" and self.engine is not None:
-            raise ValueError("engine applies to role=prefill or colocated")
+            raise ValueError(ENGINE_ROLE_ONLY)
         if self.role == "prefill" and self.vllm_args:
-            raise ValueError("vllmArgs applies to role=decode or colocated")
+            raise ValueError(VLLM_ARGS_ROLE_ONLY)
         if self.role == "prefill" and self.vllm is not None:
-            raise ValueError("vllm applies to role=decode or colocated")
+            raise ValueError(VLLM_ROLE_ONLY)
         if self.role != "colocated" and self.colocated is not None:
             raise ValueError(COLOCATED_ONLY)
         gpus = self.resources.gpus_per_pod
