@@ -115,6 +115,40 @@ def chunk_event(
     return sse_event(payload)
 
 
+class StreamEvents:
+    """One stream's events, character for character as :func:`chunk_event` and
+    :func:`usage_event` write them, with what every event of the stream repeats (id,
+    object, created, model) encoded once: the events' JSON is compact, in the dicts'
+    order, so the envelope's text is a prefix of every event's."""
+
+    def __init__(self, job: Job, model: str) -> None:
+        self.job = job
+        self.chat = job.kind == "chat.completion"
+        envelope = to_json(_envelope(job, model, _chunk_object(job))).decode()
+        self.head = f'data: {envelope[:-1]},"choices":['
+
+    def chunk(
+        self, text: str, finish_reason: str | None, *, first: bool = False, with_usage: bool
+    ) -> str:
+        """:func:`chunk_event`'s event."""
+        choice: dict[str, Any]
+        if self.chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        if with_usage:
+            counts = to_json(usage_so_far(self.job)).decode()
+            return f'{self.head}{to_json(choice).decode()}],"usage":{counts}}}\n\n'
+        return f"{self.head}{to_json(choice).decode()}]}}\n\n"
+
+    def usage(self) -> str:
+        """:func:`usage_event`'s event."""
+        return f'{self.head}],"usage":{to_json(usage(self.job)).decode()}}}\n\n'
+
+
 def usage_event(job: Job, model: str) -> str:
     """OpenAI's last chunk under ``stream_options.include_usage``: no choices, the usage."""
     payload = {**_envelope(job, model, _chunk_object(job)), "choices": [], "usage": usage(job)}
@@ -206,14 +240,13 @@ class Relay:
         """SSE events; a client gone mid-stream closes ``pieces`` (and decode) at once."""
         first_s = self.clock()
         every = job.body.usage_in_chunks
-        yield chunk_event(job, self.model, first_text, None, first=True, with_usage=every)
+        events = StreamEvents(job, self.model)
+        yield events.chunk(first_text, None, first=True, with_usage=every)
         try:
             async with aclosing(pieces):
                 async for piece in pieces:
                     # The decode stage has counted the piece's tokens before it comes.
-                    yield chunk_event(
-                        job, self.model, piece.text, piece.finish_reason, with_usage=every
-                    )
+                    yield events.chunk(piece.text, piece.finish_reason, with_usage=every)
         except GatewayError as e:
             self.metrics.failed(e)
             yield error_event(e)
@@ -221,7 +254,7 @@ class Relay:
             self._decoded(job, first_s)
             if job.body.usage_at_end:
                 # With [DONE], as one write: nothing comes between them.
-                yield usage_event(job, self.model) + DONE
+                yield events.usage() + DONE
                 return
         yield DONE
 

@@ -173,3 +173,28 @@ def test_prefill_requests_are_what_validating_them_whole_gives(n: int, has_decod
     assert got == whole and got.model_fields_set == whole.model_fields_set
     assert got.model_dump_json() == whole.model_dump_json()
     assert got.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("kind", ["text_completion", "chat.completion"])
+@pytest.mark.parametrize("model", ["tiny", 'a "quoted" módel\n'])
+def test_stream_events_are_chunk_event_and_usage_event_character_for_character(
+    kind: Any, model: str
+) -> None:
+    from flowprefill.gateway.classify import Classification
+    from flowprefill.gateway.relay import StreamEvents, chunk_event, usage_event
+
+    c = table(0).classes[0]
+    body = CompletionRequest(model="m", prompt="x")
+    job = Job("cmpl-7", kind, body, [1, 2, 3], Classification(c, "default"), 100.0)
+    events = StreamEvents(job, model)
+    for text in ["", " word", 'é"\\\n\u2028🙂']:
+        for finish in [None, "stop", "length"]:
+            for first in (False, True):
+                for with_usage in (False, True):
+                    job.num_completion_tokens += 1
+                    assert events.chunk(
+                        text, finish, first=first, with_usage=with_usage
+                    ) == chunk_event(job, model, text, finish, first=first, with_usage=with_usage)
+    for cached in (None, 0, 2):
+        job.cached_tokens = cached
+        assert events.usage() == usage_event(job, model)
