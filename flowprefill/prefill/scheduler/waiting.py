@@ -19,10 +19,13 @@ and the walks of all the buckets merge in one frontier.
 
 Deletion is lazy. A request that leaves (submitted in a batch, cancelled) or moves from
 ``early`` to ``late`` leaves a dead item behind (one naming an entry that is gone, or a
-side its entry left); **every heap's top is live after every change** (dead tops are
-popped at once), deeper dead items are skipped by walks, and when dead items outnumber
+side its entry left); **every bucket heap's top is live after every change** (dead tops
+are popped at once), deeper dead items are skipped by walks, and when dead items outnumber
 the waiting requests by :data:`COMPACT_SLACK` every heap is rebuilt without them (O(n),
-so O(1) amortized). The heaps hold at most ``3n + COMPACT_SLACK`` items.
+so O(1) amortized). The switch heap's dead items (a request that left before its
+instant) are not popped when the request leaves: :meth:`WaitingQueue.advance` drops them
+when their instant passes, or a compaction does, so a submit round pays one pop per
+member. The heaps hold at most ``3n + COMPACT_SLACK`` items.
 
 Costs with ``n`` waiting requests: add O(log n); remove O(log n) when the request heads its
 bucket (batch members usually do), else O(1), amortized; :meth:`WaitingQueue.first`
