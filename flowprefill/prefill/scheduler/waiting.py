@@ -361,16 +361,22 @@ class WaitingQueue:
             frontier.append((*keyed, len(sources), 0))
             sources.append((None, smallest_in(number), None))
         heapq.heapify(frontier)
+        # Every item the frontier will ever hold has at least this many tokens: once the
+        # room is below it, nothing left can fit and the walk ends (a full batch's room
+        # usually is) instead of popping each source's last item to find that out.
+        fewest = min((source[1] for source in sources), default=0)
         entries = self._entries
         heappop, heappush = heapq.heappop, heapq.heappush
         while frontier:
+            if limit is not None:
+                room = limit.max_tokens
+                if room is not None and fewest > room:
+                    return
             item = heappop(frontier)
             source: int = item[-2]
             walked, smallest, late = sources[source]
-            if limit is not None:
-                room = limit.max_tokens
-                if room is not None and smallest > room:
-                    continue  # nothing left in this bucket can fit: not walked further
+            if room is not None and smallest > room:
+                continue  # nothing left in this bucket can fit: not walked further
             if walked is not None:
                 child = 2 * item[-1] + 1
                 size = len(walked)
