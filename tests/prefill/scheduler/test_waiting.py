@@ -3,7 +3,9 @@ instant, whatever came, left and moved before; its lazily deleted items stay bou
 
 from __future__ import annotations
 
+import heapq
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -159,3 +161,28 @@ def test_a_removed_requests_switch_item_goes_when_its_instant_passes() -> None:
     now = 2.0  # everyone late: the rest moved, their early items are dead
     assert [r.request_id for _, r in queue.ordered(now)] == expected(queue, live, now)
     assert len(queue) == 5
+
+
+def test_the_walk_ends_once_nothing_can_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch that filled its budget leaves a room smaller than any waiting request: the
+    walk stops there, without popping what is left of its frontier one by one."""
+    queue = WaitingQueue(get_policy("edf"))
+    for i in range(50):
+        r = Request.create(f"r{i}", arrival_s=0.0, ttft_slo_s=1.0 + i, num_tokens=64 << i % 5)
+        queue.add(r, rank(r))
+    pops: list[object] = []
+    real_pop = heapq.heappop
+
+    def counted_pop(heap: list[Any]) -> Any:
+        pops.append(heap[0])
+        return real_pop(heap)
+
+    monkeypatch.setattr(heapq, "heappop", counted_pop)
+    candidates = Candidates(queue, 0.0, skip=None)
+    candidates.max_tokens = 10_000
+    walk = iter(candidates)
+    assert next(walk).request_id == "r0"
+    walked = len(pops)
+    candidates.max_tokens = 63  # below the smallest request (64 tokens)
+    assert next(walk, None) is None
+    assert len(pops) == walked  # nothing more was popped
