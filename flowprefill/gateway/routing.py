@@ -136,6 +136,9 @@ class Instance:
     stall: StallFlag = field(default_factory=lambda: StallFlag())
     """Set while the health prober finds it unresponsive (:class:`HealthProber`): out of
     rotation whatever its back-off says."""
+    last_item_s: float = -math.inf
+    """When an attempt on it last delivered an item (``time.monotonic()``;
+    :func:`until_stalled`): a sign of life the prober counts like an answered probe."""
 
     @property
     def num_in_flight(self) -> int:
@@ -454,6 +457,7 @@ async def until_stalled(
             if abandoned:  # the step finished anyway; the cancellation is not ours to keep
                 task.uncancel()
                 raise _stalled(inst, role)
+            inst.last_item_s = time.monotonic()
             yield item
     finally:
         inst.stall.remove_listener(on_stall)
@@ -490,6 +494,10 @@ class Probe(enum.Enum):
     """No answer within the timeout: the stall signal."""
     UNREACHABLE = "unreachable"
     """Refused or unresolvable: dead (or not started), not stalled."""
+    BUSY = "busy"
+    """No answer within the timeout, but an attempt on it delivered an item meanwhile: a
+    process short of CPU (a niced decode beside a busy prefill) that still serves, whose
+    streams must not be abandoned as if it hung."""
 
 
 class HealthProber:
@@ -518,10 +526,11 @@ class HealthProber:
             self._record(pool, inst, probe)
 
     async def _probe(self, client: httpx.AsyncClient, inst: Instance) -> Probe:
+        started = time.monotonic()
         try:
             await client.get(inst.url + HEALTH_PATH, timeout=self.settings.timeout_s)
         except httpx.TimeoutException:
-            return Probe.UNANSWERED
+            return Probe.BUSY if inst.last_item_s >= started else Probe.UNANSWERED
         except httpx.HTTPError:
             return Probe.UNREACHABLE
         return Probe.ANSWERED
@@ -542,6 +551,9 @@ class HealthProber:
             if inst.stall.is_set():
                 inst.stall.clear()
                 log.warning("%s instance %s answers its health probe again", pool.role, inst.url)
+            return
+        if probe is Probe.BUSY:  # it serves: the run of failed probes ends, not the stall
+            self._failed[inst.url] = 0
             return
         failed = self._failed.get(inst.url, 0) + 1
         self._failed[inst.url] = failed

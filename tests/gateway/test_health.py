@@ -151,3 +151,33 @@ async def test_a_dead_instance_that_answers_again_is_back_without_waiting_its_ba
         await prober.probe_all(client)
     assert pool.healthy() == [a] and a.consecutive_failures == 0
     assert b.consecutive_failures == 5
+
+
+async def test_an_instance_whose_streams_deliver_is_busy_not_stalled() -> None:
+    """A decode short of CPU answers its probes too late but still streams: its streams
+    must go on. Once nothing is delivered, the same unanswered probes mark the stall."""
+    pool = InstancePool("decode", ["http://a"])
+    a = pool.instances[0]
+
+    async def slow_probe(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.02)
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    async def attempt(inst: Instance) -> AsyncGenerator[int, None]:
+        for i in range(40):
+            await asyncio.sleep(0.005)
+            yield i
+
+    async def stream() -> list[int]:
+        return [i async for i in failover(pool, Placement("r1", 10.0, 5), attempt)]
+
+    prober = HealthProber([pool], SETTINGS)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(slow_probe)) as client:
+        streaming = asyncio.create_task(stream())
+        for _ in range(4):
+            await prober.probe_all(client)
+            assert not a.stall.is_set()
+        assert await asyncio.wait_for(streaming, 10) == list(range(40))
+        for _ in range(2):
+            await prober.probe_all(client)
+    assert a.stall.is_set()
