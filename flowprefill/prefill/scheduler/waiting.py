@@ -352,13 +352,13 @@ class WaitingQueue:
             if limit is not None and (not group.live or (room is not None and smallest > room)):
                 continue  # nothing in this bucket can fit
             if group.early:
-                frontier.append((*group.early[0], len(sources), 0))
+                frontier.append(group.early[0] + (len(sources), 0))
                 sources.append((group.early, smallest, False))
             if group.late:
-                frontier.append((*group.late[0], len(sources), 0))
+                frontier.append(group.late[0] + (len(sources), 0))
                 sources.append((group.late, smallest, True))
         for number, keyed in at_now:
-            frontier.append((*keyed, len(sources), 0))
+            frontier.append(keyed + (len(sources), 0))
             sources.append((None, smallest_in(number), None))
         heapq.heapify(frontier)
         # Every item the frontier will ever hold has at least this many tokens: once the
@@ -381,10 +381,10 @@ class WaitingQueue:
                 child = 2 * item[-1] + 1
                 size = len(walked)
                 if child < size:
-                    heappush(frontier, (*walked[child], source, child))
+                    heappush(frontier, walked[child] + (source, child))
                     child += 1
                     if child < size:
-                        heappush(frontier, (*walked[child], source, child))
+                        heappush(frontier, walked[child] + (source, child))
             rid = item[-4]
             entry = entries.get(rid)
             if entry is None or entry.token != item[-3]:
