@@ -25,6 +25,10 @@ Endpoints:
 * ``GET /health`` (process alive), ``GET /ready`` (engine accepting; 503 while draining),
   ``GET /metrics`` (Prometheus text format).
 
+``HEAD`` on any path is answered as ``GET`` is there, without the body
+(:mod:`flowprefill.web.head`, as the gateway does): FastAPI's ``GET`` routes alone answer
+405 to it, and scrapers and load balancers send ``HEAD /metrics`` or ``HEAD /health``.
+
 A client that disconnects while its request waits or runs cancels it in the engine
 (a running prefill stops at its next checkpoint). On SIGTERM uvicorn stops accepting
 connections, ``/ready`` turns 503, in-flight requests finish, then the engine closes.
@@ -41,6 +45,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowprefill.contracts.deployment import PREFILL_API_PATH
 from flowprefill.contracts.prefill_api import (
@@ -58,6 +63,7 @@ from flowprefill.prefill.server.kv_http import add_delete_route, add_read_refusa
 from flowprefill.prefill.server.kv_sink import KVSink
 from flowprefill.prefill.server.submit import run_prefill
 from flowprefill.web.errors import install_error_handlers
+from flowprefill.web.head import head_as_get, is_head
 from flowprefill.web.probes import add_probe_routes
 from flowprefill.web.sse import DONE, MEDIA_TYPE, sse_event
 
@@ -92,6 +98,7 @@ def create_app(
 
     app = FastAPI(title="FlowPrefill prefill instance", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(HeadAsGet)
 
     @app.post(PREFILL_API_PATH, response_model=PrefillResponse)
     async def prefill(body: PrefillRequest, request: Request) -> Any:
@@ -169,6 +176,22 @@ def create_app(
         registry=engine.metrics.registry,
     )
     return app
+
+
+class HeadAsGet:
+    """ASGI middleware: a ``HEAD`` request is served as the app serves ``GET`` on its path,
+    without the body (same status and headers, ``content-length`` included); every other
+    request passes through untouched. It covers routes added after :func:`create_app`
+    returns too (the NIXL discard and PD routes)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if is_head(scope):
+            await head_as_get(self.app, scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
 
 
 def _why_not_ready(engine: PrefillEngine) -> str:
