@@ -17,9 +17,8 @@ urgent preemption. Per arm (queued requests × scheduler):
 Batching is off (``none``), so every arm does the same work: a probe runs alone, not
 with queued requests. Schedulers: ``indexed`` (the engine's) and ``ranking``
 (:mod:`flowprefill.lab.ranking`, which ranks every entry as the engine did before its
-queue was indexed, though more slowly: it keys entries through their phases), swapped
-into the engine for the run. Arms alternate repeat by repeat so drift hits every arm
-alike; the engine is dropped without draining after each repeat.
+queue was indexed), swapped into the engine for the run. Arms alternate repeat by repeat
+so drift hits every arm alike; the engine is dropped without draining after each repeat.
 
     python benchmarks/prefill/queued_blocking.py                    # 0 / 1,000 / 10,000 queued
     python benchmarks/prefill/queued_blocking.py --queued 0,100 --repeats 1 --tokens 1024

@@ -1,6 +1,6 @@
 """Cost of one scheduling round with 10 to 10,000 queued requests: the engine's indexed
-round beside the reference that ranks every entry (:mod:`flowprefill.lab.ranking`; it keys
-entries through their phases, so it is slower than the ranking code the engine had).
+round beside the reference that ranks every entry (:mod:`flowprefill.lab.ranking`, which
+keys every entry with the policy's ``sort_key`` each round).
 
 Two kinds of round are timed, since they do different work:
   * no-op round: the running task stays the most urgent entry;
