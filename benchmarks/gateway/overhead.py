@@ -12,6 +12,7 @@ gateway is started with ``flowprefill serve-gateway`` (access log to a file here
 
     python benchmarks/gateway/overhead.py [--seconds 10] [--concurrency 32] [--rounds 3]
     python benchmarks/gateway/overhead.py --baseline HEAD~1 --rounds 3    # code compared
+    python benchmarks/gateway/overhead.py --prompt-tokens 2000            # a long prompt
 
 Added latency = p50/p99 of (client → gateway → stubs) minus the stubs called directly in
 sequence (prefill then decode, the bodies the gateway sends) by the same client,
@@ -104,6 +105,35 @@ DECODE_BODY = {
 }
 
 
+@dataclass(frozen=True)
+class Bodies:
+    """What the load generator sends: through the gateway, and to the stubs directly (the
+    bodies the gateway sends them for it)."""
+
+    gateway: dict[str, Any]
+    prefill: dict[str, Any]
+    decode: dict[str, Any]
+
+    @classmethod
+    def for_prompt(cls, prompt: str, token_ids: list[int]) -> Bodies:
+        """``prompt`` as text through the gateway; ``token_ids``: how it tokenizes it."""
+        prefill = PrefillRequest.model_validate({**PREFILL_BODY, "prompt_token_ids": token_ids})
+        return cls(
+            {**GATEWAY_BODY, "prompt": prompt},
+            prefill.model_dump(),
+            {**DECODE_BODY, "prompt": [*token_ids, 42]},
+        )
+
+
+DEFAULT_BODIES = Bodies(GATEWAY_BODY, PREFILL_BODY, DECODE_BODY)
+
+
+def long_prompt(num_tokens: int) -> str:
+    """A text prompt of about ``num_tokens`` tokens (words of the default prompt)."""
+    words = PROMPT.split()
+    return " ".join(words[i % len(words)] for i in range(num_tokens))
+
+
 class StreamError(Exception):
     """An answer that is not a whole, successful SSE stream."""
 
@@ -120,15 +150,17 @@ def check_stream(lines: list[str]) -> None:
 
 
 class Client:
+    bodies: Bodies = DEFAULT_BODIES
+
     async def stream(self, url: str, body: dict[str, Any]) -> None:
         raise NotImplementedError
 
     async def gateway(self, url: str) -> None:
-        await self.stream(f"{url}/v1/completions", GATEWAY_BODY)
+        await self.stream(f"{url}/v1/completions", self.bodies.gateway)
 
     async def direct(self, stub: str) -> None:
-        await self.stream(f"{stub}{PREFILL_API_PATH}", PREFILL_BODY)
-        await self.stream(f"{stub}/v1/completions", DECODE_BODY)
+        await self.stream(f"{stub}{PREFILL_API_PATH}", self.bodies.prefill)
+        await self.stream(f"{stub}/v1/completions", self.bodies.decode)
 
     async def close(self) -> None:
         raise NotImplementedError
@@ -165,7 +197,7 @@ class AiohttpClient(Client):
         await self.c.close()
 
 
-def make_client(kind: str, concurrency: int) -> Client:
+def make_client(kind: str, concurrency: int, bodies: Bodies = DEFAULT_BODIES) -> Client:
     if kind == "auto":
         try:
             import aiohttp  # noqa: F401
@@ -173,7 +205,9 @@ def make_client(kind: str, concurrency: int) -> Client:
             kind = "aiohttp"
         except ImportError:
             kind = "httpx"
-    return AiohttpClient(concurrency) if kind == "aiohttp" else HttpxClient(concurrency)
+    client = AiohttpClient(concurrency) if kind == "aiohttp" else HttpxClient(concurrency)
+    client.bodies = bodies
+    return client
 
 
 @dataclass
@@ -196,11 +230,17 @@ async def timed(f: Callable[[], Awaitable[None]]) -> float:
 
 
 async def latency(
-    client: str, gw: str, stub: str, n: int, warmup: int, failures: Failures
+    client: str,
+    gw: str,
+    stub: str,
+    n: int,
+    warmup: int,
+    failures: Failures,
+    bodies: Bodies = DEFAULT_BODIES,
 ) -> tuple[list[float], list[float]]:
     """``n`` interleaved pairs (through the gateway, direct), after ``warmup`` of each; a
     pair with a failed request is left out (and counted in ``failures``)."""
-    c = make_client(client, 1)
+    c = make_client(client, 1, bodies)
     via, direct = [], []
     try:
         for i in range(warmup + n):  # interleaved, so machine noise hits both alike
@@ -218,11 +258,16 @@ async def latency(
 
 
 async def throughput(
-    client: str, gw: str, seconds: float, concurrency: int, failures: Failures
+    client: str,
+    gw: str,
+    seconds: float,
+    concurrency: int,
+    failures: Failures,
+    bodies: Bodies = DEFAULT_BODIES,
 ) -> int:
     """Requests completed through the gateway by ``concurrency`` clients in ``seconds``."""
     done = 0
-    c = make_client(client, concurrency)
+    c = make_client(client, concurrency, bodies)
     stop = time.perf_counter() + seconds
 
     async def worker() -> None:
@@ -360,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="a text prompt of about this many tokens (0: the default, 11 tokens)",
+    )
+    ap.add_argument(
         "--client", default="auto", choices=("auto", "aiohttp", "httpx"), help="load generator"
     )
     args = ap.parse_args(argv)
@@ -381,15 +432,26 @@ def main(argv: list[str] | None = None) -> int:
         v.port = free_port()
         log = tmp / f"gateway-{i}.log"
         v.proc = start_gateway(tmp / "gw.json", tmp / "slo.json", v.port, v.src, log)
+    bodies = DEFAULT_BODIES
     try:
         wait_ready(stub)
         for v in variants:
             wait_ready(f"http://127.0.0.1:{v.port}", v.proc)
+        if args.prompt_tokens > 0:
+            # How the gateway tokenizes the prompt: the direct bodies carry those ids.
+            prompt = long_prompt(args.prompt_tokens)
+            answer = httpx.post(
+                f"http://127.0.0.1:{variants[0].port}/tokenize",
+                json={"model": "tiny", "prompt": prompt},
+                timeout=30,
+            )
+            answer.raise_for_status()
+            bodies = Bodies.for_prompt(prompt, answer.json()["tokens"])
         for _ in range(args.rounds):
             for v in variants:
                 gw = f"http://127.0.0.1:{v.port}"
                 via, direct = asyncio.run(
-                    latency(args.client, gw, stub, args.requests, args.warmup, v.failures)
+                    latency(args.client, gw, stub, args.requests, args.warmup, v.failures, bodies)
                 )
                 v.via += via
                 v.direct += direct
@@ -397,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                 before = (cpu_seconds(v.proc.pid), cpu_seconds(stub_proc.pid), own_cpu_seconds())
                 t0 = time.perf_counter()
                 v.done += asyncio.run(
-                    throughput(args.client, gw, args.seconds, args.concurrency, v.failures)
+                    throughput(args.client, gw, args.seconds, args.concurrency, v.failures, bodies)
                 )
                 v.wall_s += time.perf_counter() - t0
                 v.cpu_s["gateway"] += cpu_seconds(v.proc.pid) - before[0]
@@ -412,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=max(Console().width, 150))
     t = Table(
-        title=f"gateway overhead (stub upstreams, {DECODE_TOKENS} decode tokens streamed; "
+        title=f"gateway overhead (stub upstreams, {len(bodies.prefill['prompt_token_ids'])} "
+        f"prompt tokens, {DECODE_TOKENS} decode tokens streamed; "
         f"{args.rounds} round(s), {args.requests} sequential requests and {args.seconds:g} s "
         f"at concurrency {args.concurrency} per round; load generator: {args.client})"
     )
