@@ -128,10 +128,28 @@ class Bodies:
 DEFAULT_BODIES = Bodies(GATEWAY_BODY, PREFILL_BODY, DECODE_BODY)
 
 
-def long_prompt(num_tokens: int) -> str:
-    """A text prompt of about ``num_tokens`` tokens (words of the default prompt)."""
+def long_prompt(num_words: int) -> str:
+    """A text prompt of ``num_words`` words (the default prompt's, repeated)."""
     words = PROMPT.split()
-    return " ".join(words[i % len(words)] for i in range(num_tokens))
+    return " ".join(words[i % len(words)] for i in range(num_words))
+
+
+def long_prompt_bodies(gateway: str, num_tokens: int) -> Bodies:
+    """Bodies for a text prompt of about ``num_tokens`` tokens, as the gateway's
+    ``/tokenize`` counts them (the direct bodies carry those ids)."""
+
+    def tokenize(prompt: str) -> list[int]:
+        answer = httpx.post(
+            f"{gateway}/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30
+        )
+        answer.raise_for_status()
+        ids: list[int] = answer.json()["tokens"]
+        return ids
+
+    # Words per token depend on the tokenizer: measured once, then scaled.
+    sample = len(tokenize(long_prompt(num_tokens)))
+    prompt = long_prompt(max(1, num_tokens * num_tokens // max(sample, 1)))
+    return Bodies.for_prompt(prompt, tokenize(prompt))
 
 
 class StreamError(Exception):
@@ -438,15 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             wait_ready(f"http://127.0.0.1:{v.port}", v.proc)
         if args.prompt_tokens > 0:
-            # How the gateway tokenizes the prompt: the direct bodies carry those ids.
-            prompt = long_prompt(args.prompt_tokens)
-            answer = httpx.post(
-                f"http://127.0.0.1:{variants[0].port}/tokenize",
-                json={"model": "tiny", "prompt": prompt},
-                timeout=30,
-            )
-            answer.raise_for_status()
-            bodies = Bodies.for_prompt(prompt, answer.json()["tokens"])
+            bodies = long_prompt_bodies(f"http://127.0.0.1:{variants[0].port}", args.prompt_tokens)
         for _ in range(args.rounds):
             for v in variants:
                 gw = f"http://127.0.0.1:{v.port}"
