@@ -12,7 +12,7 @@ gateway is started with ``flowprefill serve-gateway`` (access log to a file here
 
     python benchmarks/gateway/overhead.py [--seconds 10] [--concurrency 32] [--rounds 3]
     python benchmarks/gateway/overhead.py --baseline HEAD~1 --rounds 3    # code compared
-    python benchmarks/gateway/overhead.py --prompt-tokens 2000            # a long prompt
+    python benchmarks/gateway/overhead.py --prompt-tokens 2000 --ttft-slo-ms 60000  # long
 
 Added latency = p50/p99 of (client → gateway → stubs) minus the stubs called directly in
 sequence (prefill then decode, the bodies the gateway sends) by the same client,
@@ -429,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a text prompt of about this many tokens (0: the default, 11 tokens)",
     )
     ap.add_argument(
+        "--ttft-slo-ms",
+        type=int,
+        default=250,
+        help="the SLO class's TTFT target (a long prompt at concurrency 32 needs more: the "
+        "gateway's admission refuses what its TTFT profile predicts late)",
+    )
+    ap.add_argument(
         "--client", default="auto", choices=("auto", "aiohttp", "httpx"), help="load generator"
     )
     args = ap.parse_args(argv)
@@ -443,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     variants += [Variant(src, src) for src in args.baseline_src]
     stub_port = free_port()
     stub = f"http://127.0.0.1:{stub_port}"
-    write_configs(tmp, stub_port, model_dir)
+    write_configs(tmp, stub_port, model_dir, ttft_slo_ms=args.ttft_slo_ms)
     stub_proc = mp.get_context("spawn").Process(target=serve_stub, args=(stub_port,), daemon=True)
     stub_proc.start()
     for i, v in enumerate(variants):
