@@ -96,8 +96,15 @@ class Tokenizer:
         self._token_texts: dict[int, str] = {}
 
     def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        if self._backend is not None:  # the same ids, without the wrapper's ~3x overhead
-            return list(self._backend.encode(prompt, add_special_tokens=add_special_tokens).ids)
+        if self._backend is not None:
+            # The same ids, without the wrapper's ~3x overhead; encode_batch_fast skips the
+            # character offsets nobody here reads (about half the CPU of encode for a long
+            # prompt). ``ids`` is a new list each time: no copy.
+            encoding = self._backend.encode_batch_fast(
+                [prompt], add_special_tokens=add_special_tokens
+            )[0]
+            ids: list[int] = encoding.ids
+            return ids
         return list(self.tok(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
     def encode_chat(

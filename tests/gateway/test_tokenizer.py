@@ -29,6 +29,9 @@ def test_direct_encoding_matches_transformers(name: str, tmp_path: Path) -> None
     assert tok._backend is not None, "the fast path is not taken"
     for prompt in PROMPTS:
         assert tok.encode_prompt(prompt) == list(hf(prompt, add_special_tokens=True)["input_ids"])
+        assert tok.encode_prompt(prompt, add_special_tokens=False) == list(
+            hf(prompt, add_special_tokens=False)["input_ids"]
+        )
 
 
 def test_split_special_tokens_falls_back_to_transformers(tmp_path: Path) -> None:
