@@ -198,3 +198,25 @@ def test_stream_events_are_chunk_event_and_usage_event_character_for_character(
     for cached in (None, 0, 2):
         job.cached_tokens = cached
         assert events.usage() == usage_event(job, model)
+
+
+@pytest.mark.parametrize(
+    ("ids", "bad"),
+    [([], None), ([0], None), ([5, 0, 99], None), ([5, -1, 100], 1), ([1, 2, 100, -3], 2),
+     ([10**30], 0), ([*range(100), 100], 100)],
+)  # fmt: skip
+def test_token_ids_outside_the_vocabulary_name_the_first(ids: list[int], bad: int | None) -> None:
+    from flowprefill.gateway.errors import ClientError
+
+    class Plain:
+        def __len__(self) -> int:
+            return 100
+
+    tok = Tokenizer(Plain(), max_model_len=1000, eos_token_ids=set())
+    if bad is None:
+        tok.check_token_ids(ids, "prompt")
+        return
+    with pytest.raises(ClientError) as e:
+        tok.check_token_ids(ids, "prompt")
+    assert str(e.value).startswith(f"prompt[{bad}]: token id {ids[bad]} is out of vocabulary")
+    assert e.value.param == "prompt" and e.value.status == 400
