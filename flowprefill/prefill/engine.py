@@ -200,6 +200,7 @@ class PrefillEngine:
                 max_park_s=decode_aware.max_park_s,
                 on_park=self._count_decode_park,
                 budget=self._ttft_budget,
+                on_veto=self._count_decode_veto,
             )
             self.pool.decode_yield = self.decode_yield
         self.loop = SchedulerLoop(
@@ -363,6 +364,9 @@ class PrefillEngine:
         deadline = min(r.deadline_s for r in task.requests)
         return deadline - self.clock(), self.scheduler.predict_s(task.num_tokens)
 
+    def _count_decode_veto(self) -> None:
+        self.metrics.decode_park_vetoes.inc()
+
     def _count_decode_park(self, seconds: float) -> None:
         """A task parked for decode (its own thread): parks and parked time."""
         m = self.metrics
@@ -408,6 +412,21 @@ class PrefillEngine:
         m.parked_bytes.set(self.pool.parked_bytes)
         if out.scheduled is not None and out.scheduled.declined_preemption is not None:
             m.preemptions_declined.inc()
+        if self.decode_yield is not None:
+            self._publish_queue_start_by(self.decode_yield)
+
+    def _publish_queue_start_by(self, decide: DecodeYield) -> None:
+        """Tell decode-aware preemption by when the most urgent waiting request must start
+        to make its TTFT deadline (the scheduler's thread, after a round); a park must not
+        push it past that."""
+        now = self.clock()
+        head = self.scheduler.most_urgent_waiting(now)
+        start_by = math.inf
+        if head is not None:
+            latest = head.deadline_s - self.scheduler.predict_s(head.num_tokens)
+            if latest >= now:  # one that cannot make it any more does not hold decode back
+                start_by = decide.clock() + (latest - now)
+        decide.queue_start_by_s = start_by
 
     def _on_crash(self, error: BaseException) -> None:
         self.snapshot = replace(self.snapshot, running=False)

@@ -105,6 +105,12 @@ class EngineMetrics:
             "(a lost beat, or a decode step slower than the bound).",
             registry=r,
         )
+        self.decode_park_vetoes = Counter(
+            "flowprefill_prefill_decode_park_vetoes",
+            "Parks for decode not taken because they would have cost the running prefill, "
+            "or the most urgent waiting one, its TTFT deadline (decode-aware preemption).",
+            registry=r,
+        )
         self.rounds = Counter(
             "flowprefill_prefill_scheduling_rounds",
             "Scheduling rounds (one per wake-up by arrival/completion events).",

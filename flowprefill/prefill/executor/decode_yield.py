@@ -23,14 +23,16 @@ checkpoints) and leave decode its ``solo_left``::
 then the task syncs the device and sleeps until the step's ``END`` beat. So prefill runs
 as long as the target allows and decode gets the device just in time, not at every step.
 
-TTFT first. A park never spends the running task's own TTFT: it is *vetoed* unless the
-task, parked for ``solo_left`` and then run for the rest of its predicted time, still ends
-by its earliest member's deadline::
+TTFT first. A park never spends a TTFT target: it is *vetoed* unless the running task,
+parked for ``solo_left`` and then run for the rest of its predicted time, still ends by
+its earliest member's deadline, and by the time the most urgent waiting request must start
+to make its own (:attr:`DecodeYield.queue_start_by_s`, which the engine sets after every
+scheduling round; a request that cannot make it any more sets nothing)::
 
-    veto  iff  now + solo_left + predicted × (1 − progress) > deadline
+    veto  iff  now + solo_left + predicted × (1 − progress) > min(deadline, queue_start_by)
 
-(``budget``: the engine's deadline and predictor for the task; unknown: no veto). A task
-already late does not park either: delaying it delays everything queued behind it. Under
+(``budget``: the engine's deadline and predictor for the task; unknown: only the queue
+counts). A task already late does not park either: delaying it delays the queue. Under
 a load where decode is always busy this is what keeps prefill going: without the veto, a
 stretch and a decode step that together exceed the slack of a TBT gap park the prefill at
 nearly every checkpoint (measured on CPU under ``flowprefill up``: TTFT attainment fell
@@ -127,6 +129,10 @@ class DecodeYield:
         self.parked_s = 0.0
         self.timeouts = 0
         self.vetoes = 0
+        self.queue_start_by_s = math.inf
+        """Latest start (on :attr:`clock`) at which the most urgent waiting request still
+        makes its TTFT deadline; inf when none waits or none can make it any more. Set by
+        the engine's scheduling loop after every round."""
         self._gave_up_at = -1  # end_count of a park that timed out
         self.stretch_s = 0.0
         """The longest of the last :data:`STRETCHES` times between two checkpoints of a
@@ -175,15 +181,16 @@ class DecodeYield:
         left = self.solo_left_s(now)
         return left != math.inf and now + self.stretch_s + left > s.next_deadline_s
 
-    @staticmethod
-    def affordable(control: Parkable, now: float, park_s: float) -> bool:
-        """Whether the running task still ends by its deadline after a park of ``park_s``
-        (module docstring, "TTFT first"); True when its budget is unknown."""
+    def affordable(self, control: Parkable, now: float, park_s: float) -> bool:
+        """Whether the running task still ends by its deadline, and by the most urgent
+        waiting request's latest start, after a park of ``park_s`` (module docstring, "TTFT
+        first"). The task's own part counts only when its budget is known."""
         budget = control.decode_budget
+        by = self.queue_start_by_s
         if budget is None:
-            return True
+            return now + park_s <= by
         deadline, predicted_s = budget
-        return now + park_s + predicted_s * (1.0 - control.progress) <= deadline
+        return now + park_s + predicted_s * (1.0 - control.progress) <= min(deadline, by)
 
     def _measure_stretch(self, now: float) -> None:
         """Time between checkpoints, measured while decode is active (the only time this

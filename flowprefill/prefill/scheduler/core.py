@@ -342,6 +342,11 @@ class Scheduler:
             best_outside = min(best_outside, self.sort_key(dropped, now_s))
         return kept
 
+    def most_urgent_waiting(self, now_s: float) -> Request | None:
+        """The waiting request the policy ranks first at ``now_s`` (None: none waits)."""
+        first = self._queue.first(now_s)
+        return None if first is None else first[1]
+
     @property
     def waiting_tokens(self) -> int:
         """Prompt tokens of the waiting requests (O(1): kept by the queue)."""

@@ -133,8 +133,15 @@ def test_a_task_gets_its_budget_on_the_policys_clock_when_it_starts() -> None:
     assert decide.state.prefill_running == 1
     decide.task_ended()
     assert decide.state.prefill_running == 0
-    assert DecodeYield.affordable(control, 50.0, 0.1)  # 50.0 + 0.1 + 0.3 <= 50.4
-    assert not DecodeYield.affordable(control, 50.0, 0.11)
+    assert decide.affordable(control, 50.0, 0.1)  # 50.0 + 0.1 + 0.3 <= 50.4
+    assert not decide.affordable(control, 50.0, 0.11)
+    # A waiting request that must start by 50.39 to make its deadline: it waits for the
+    # park and the running task's rest.
+    decide.queue_start_by_s = 50.39
+    assert not decide.affordable(control, 50.0, 0.1)
+    assert decide.affordable(control, 50.0, 0.09)
+    control.decode_budget = None  # the task's own budget unknown: the queue still counts
+    assert decide.affordable(control, 50.0, 0.39) and not decide.affordable(control, 50.0, 0.4)
 
 
 def test_settings_are_checked() -> None:

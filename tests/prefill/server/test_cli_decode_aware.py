@@ -4,6 +4,7 @@ listens for beats and parks (counted in its metrics)."""
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,3 +111,27 @@ def test_engine_vetoes_a_park_that_would_cost_a_tight_tasks_deadline(tmp_path: P
     assert decide.parks == 0 and decide.vetoes > 0
     sample = engine.metrics.registry.get_sample_value
     assert (sample("flowprefill_prefill_decode_parks_total") or 0) == 0
+    assert sample("flowprefill_prefill_decode_park_vetoes_total") == decide.vetoes
+
+
+def test_engine_tells_the_policy_by_when_the_waiting_head_must_start(tmp_path: Path) -> None:
+    sock = str(tmp_path / "b.sock")
+    config = resolve_config(_args("--decode-aware-socket", sock))
+    engine = build_engine(config, _Backend(), _Predictor())
+    with engine:
+        decide = engine.decode_yield
+        assert decide is not None and decide.queue_start_by_s == math.inf
+        running = engine.submit([1, 2, 3], ttft_slo_s=2.0)
+        deadline = time.monotonic() + 10
+        while engine.scheduler.running is None:
+            assert time.monotonic() < deadline, "the first task never ran"
+            time.sleep(0.001)
+        # Less urgent than the running task: it waits, and must start 10 s - 3 ms from now.
+        waiting = engine.submit([4, 5, 6], ttft_slo_s=10.0)
+        while decide.queue_start_by_s == math.inf:
+            assert time.monotonic() < deadline, "never published"
+            time.sleep(0.001)
+        assert decide.queue_start_by_s - time.monotonic() == pytest.approx(9.997, abs=0.5)
+        running.result(timeout=30)
+        waiting.result(timeout=30)
+    assert decide.queue_start_by_s == math.inf  # nothing waits any more
