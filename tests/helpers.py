@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import uvicorn
 
 
@@ -79,6 +81,26 @@ class UpProcess:
             time.sleep(0.2)
 
 
+def stop_tree(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """Stop ``proc`` and everything it started, whatever state it is in: SIGINT first
+    (``up`` stops its children in order), then SIGKILL to what is left of the tree. For
+    ``finally`` blocks: a failed test must not leave vLLM and engines running (``up``
+    starts each child in a session of its own, so killing ``up`` alone orphans them)."""
+    if proc.poll() is not None:
+        return
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    proc.send_signal(signal.SIGINT)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    for p in tree:
+        with suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait()
+
+
 def start_up(tmp_path: Path, *args: str) -> UpProcess:
     """``flowprefill up --model tiny-llama`` with a linear profile (no profiling run), one
     OpenMP thread per process, its run folder and model cache under ``tmp_path``, and
@@ -103,7 +125,7 @@ def start_up(tmp_path: Path, *args: str) -> UpProcess:
     try:
         up.wait_log("is up")
     except BaseException:
-        proc.kill()
+        stop_tree(proc)
         raise
     return up
 

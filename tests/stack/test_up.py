@@ -14,7 +14,7 @@ import pytest
 
 from flowprefill.cli import main
 from flowprefill.contracts import EngineConfig
-from tests.helpers import start_up
+from tests.helpers import start_up, stop_tree
 
 
 @pytest.mark.parametrize(("prefill", "tp"), [(2, 1), (1, 2)], ids=["2x-tp1", "1x-tp2"])
@@ -46,8 +46,7 @@ def test_prefill_only_stack_serves_and_stops_cleanly(tmp_path: Path, prefill: in
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_tree(proc)
     # Every child is gone with it: nothing answers on the gateway port any more.
     try:
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

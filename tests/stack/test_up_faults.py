@@ -20,7 +20,7 @@ import pytest
 
 from flowprefill.contracts.deployment import DECODE_PORT, GATEWAY_PORT, PREFILL_PORT
 from flowprefill.contracts.metrics import PREFILL_REQUESTS
-from tests.helpers import UpProcess, start_up
+from tests.helpers import UpProcess, start_up, stop_tree
 
 
 class Stack(UpProcess):
@@ -59,8 +59,7 @@ def running_stack(tmp_path: Path, *flags: str) -> Iterator[Stack]:
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(60) == 0, up.log.read_text()
     finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
+        stop_tree(up.proc)
 
 
 @pytest.fixture
