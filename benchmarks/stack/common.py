@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,7 @@ class Server:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        _stop_servers_on_sigterm()
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=self.log.open("wb"),
@@ -217,6 +219,20 @@ def vllm_server(name: str, model_dir: Path, out: Path, extra: list[str] | None =
         log=out / f"{name}.log",
         env=env,
     )
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop_servers_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, ``timeout``) unwind the benchmark like Ctrl-C, so that the
+    ``finally`` that stops its servers runs: they live in sessions of their own and would
+    outlive it. Only from the main thread, and only over the default handler."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(
+        signal.SIGTERM
+    ) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 def wait_all(servers: list[Server], timeout_s: float = 900.0) -> None:
