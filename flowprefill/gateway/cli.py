@@ -110,7 +110,7 @@ def tune_gc(young_threshold: int = GC_YOUNG_THRESHOLD) -> None:
     allocations instead of 700, so a request's short-lived objects are mostly gone before
     a collection would scan them (and promote the live ones to older generations, which
     then make the full collections long). Measured under the throughput phase of
-    benchmarks/gateway/overhead.py: collections took about 10 % of the gateway's CPU with
+    benchmarks/gateway/overhead.py: collections took 8-11 % of the gateway's CPU with
     Python's defaults, about 1 % with these. Cyclic garbage is still collected, a little
     later; older generations keep Python's thresholds."""
     gc.collect()
