@@ -148,13 +148,15 @@ def test_guidellm_runs_against_the_gateway(stack: Stack, endpoint: str) -> None:
     # guidellm reports the server's usage as its counts: each prompt it built to 64
     # tokens with the served tokenizer is 64 tokens to the server (plus the chat
     # template's tokens over chat), and each answer has the 8 tokens asked for (guidellm
-    # sends ignore_eos), one streamed chunk each.
+    # sends ignore_eos), streamed: a chunk per token, or fewer where vLLM merged the deltas
+    # of steps its API server had not sent yet (a loaded host), never one blob.
     prompts = [r["prompt_tokens"] for r in successful]
     outputs = [r["output_tokens"] for r in successful]
     overhead = template_overhead(stack) if endpoint == "chat" else 0
     assert prompts == [PROMPT_TOKENS + overhead] * REQUESTS
     assert outputs == [OUTPUT_TOKENS] * REQUESTS
-    assert [r["info"]["timings"]["token_iterations"] for r in successful] == outputs
+    iterations = [r["info"]["timings"]["token_iterations"] for r in successful]
+    assert all(2 <= it <= out for it, out in zip(iterations, outputs, strict=True)), iterations
     assert_server_counted(stack, before, prompts, outputs)
 
 

@@ -53,6 +53,8 @@ def _refuses(url: str) -> bool:
         httpx.get(url, timeout=2)
     except httpx.ConnectError:
         return True
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        return False  # accepted, then reset or closed unanswered: stopping, not yet gone
     return False
 
 
