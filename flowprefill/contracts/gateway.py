@@ -29,7 +29,7 @@ class Endpoint(_Contract):
 
 class HealthProbeSettings(_Contract):
     """How the gateway probes its instances' liveness to find stalled ones
-    (:class:`flowprefill.gateway.routing.HealthProber`): detected within
+    (:class:`flowprefill.gateway.health.HealthProber`): detected within
     ``failures × (interval_s + timeout_s)``."""
 
     interval_s: float = Field(default=1.0, gt=0, le=60, description="Time between probes.")

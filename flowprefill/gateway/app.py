@@ -42,11 +42,12 @@ from flowprefill.gateway.asgi import GatewayApp
 from flowprefill.gateway.classify import Classification, Job, SLOTableFile, fallback_note, intake
 from flowprefill.gateway.decode import DecodeStage
 from flowprefill.gateway.errors import ClientError, GatewayError, as_gateway_error
+from flowprefill.gateway.health import HealthProber
 from flowprefill.gateway.metrics import GatewayMetrics, export_slo_targets
 from flowprefill.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from flowprefill.gateway.prefill import PrefillStage
 from flowprefill.gateway.relay import EventStreamResponse, Relay, models_body
-from flowprefill.gateway.routing import HealthProber, InstancePool
+from flowprefill.gateway.routing import InstancePool
 from flowprefill.gateway.tokens import Tokenizer
 from flowprefill.gateway.upstream import DecodeClient, PrefillClient
 from flowprefill.web.disconnect import ClientDisconnected, DisconnectWatch, unless_disconnected
@@ -77,7 +78,7 @@ class GatewayState:
     table_refresh_s: float = 1.0
     """How often the SLO table file is checked for changes."""
     health_probe: HealthProbeSettings | None = field(default_factory=HealthProbeSettings)
-    """Liveness probing of the instances (flowprefill.gateway.routing.HealthProber); None: off."""
+    """Liveness probing of the instances (flowprefill.gateway.health.HealthProber); None: off."""
 
     def __post_init__(self) -> None:
         export_slo_targets(self.metrics.registry, lambda: self.slo_file.table)

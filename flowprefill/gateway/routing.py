@@ -60,11 +60,11 @@ Service is abandoned as before) but has its own back-off: a pod whose decode fai
 paired with again until its back-off ends, and its failure does not take the Service, the
 pool's other pods, out of rotation. Anything else is ignored (no pairing).
 
-**Stalled instances** (:class:`HealthProber`): alive enough to accept a connection, never
-answering. A process that is stopped (SIGSTOP, a frozen node, a wedged event loop) still
-completes TCP handshakes from its listen backlog, so requests sent to it neither fail nor
-finish: the failure-driven back-off never sees it. The gateway therefore probes every
-instance's liveness path on its own:
+**Stalled instances** (:class:`~flowprefill.gateway.health.HealthProber`): alive enough to
+accept a connection, never answering. A process that is stopped (SIGSTOP, a frozen node, a
+wedged event loop) still completes TCP handshakes from its listen backlog, so requests sent
+to it neither fail nor finish: the failure-driven back-off never sees it. The gateway
+therefore probes every instance's liveness path on its own:
 
 * every ``interval_s`` each instance gets ``GET /health`` with a ``timeout_s`` deadline;
 * ``failures`` consecutive probes without an answer in time mark it *stalled*: it leaves
@@ -86,7 +86,6 @@ stays out until it answers again (restarted).
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import math
@@ -97,10 +96,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-import httpx
-
-from flowprefill.contracts.deployment import HEALTH_PATH
-from flowprefill.contracts.gateway import HealthProbeSettings, OverloadSettings
+from flowprefill.contracts.gateway import OverloadSettings
 from flowprefill.contracts.names import Router
 from flowprefill.contracts.prefill_api import PrefillLoad
 from flowprefill.gateway.admission import (
@@ -134,7 +130,8 @@ class Instance:
     """The in-flight book: request id -> (deadline_s, num_tokens) of work this gateway
     sent here and awaits."""
     stall: StallFlag = field(default_factory=lambda: StallFlag())
-    """Set while the health prober finds it unresponsive (:class:`HealthProber`): out of
+    """Set while the health prober finds it unresponsive
+    (:class:`~flowprefill.gateway.health.HealthProber`): out of
     rotation whatever its back-off says."""
     last_item_s: float = -math.inf
     """When an attempt on it last delivered an item (``time.monotonic()``;
@@ -485,85 +482,3 @@ async def failover_call(
 
     results = [r async for r in failover(pool, work, once, admitted)]
     return results[-1]
-
-
-class Probe(enum.Enum):
-    ANSWERED = "answered"
-    """Any HTTP answer: the process runs its server."""
-    UNANSWERED = "unanswered"
-    """No answer within the timeout: the stall signal."""
-    UNREACHABLE = "unreachable"
-    """Refused or unresolvable: dead (or not started), not stalled."""
-    BUSY = "busy"
-    """No answer within the timeout, but an attempt on it delivered an item meanwhile: a
-    process short of CPU (a niced decode beside a busy prefill) that still serves, whose
-    streams must not be abandoned as if it hung."""
-
-
-class HealthProber:
-    """Probes the instances of ``pools`` until cancelled (a task of the gateway's
-    lifespan). Owns each instance's stalled flag (``Instance.stall``) and its run of
-    failed probes."""
-
-    def __init__(self, pools: Sequence[InstancePool], settings: HealthProbeSettings) -> None:
-        self.pools = list(pools)
-        self.settings = settings
-        self._failed: dict[str, int] = {}
-        self._refused: set[str] = set()
-        """Instances whose last probe was refused: dead, or not started yet."""
-
-    async def run(self) -> None:
-        async with httpx.AsyncClient() as client:
-            while True:
-                await self.probe_all(client)
-                await asyncio.sleep(self.settings.interval_s)
-
-    async def probe_all(self, client: httpx.AsyncClient) -> None:
-        """One round: every instance probed concurrently, flags updated."""
-        targets = [(pool, inst) for pool in self.pools for inst in pool.instances]
-        answers = await asyncio.gather(*(self._probe(client, inst) for _, inst in targets))
-        for (pool, inst), probe in zip(targets, answers, strict=True):
-            self._record(pool, inst, probe)
-
-    async def _probe(self, client: httpx.AsyncClient, inst: Instance) -> Probe:
-        started = time.monotonic()
-        try:
-            await client.get(inst.url + HEALTH_PATH, timeout=self.settings.timeout_s)
-        except httpx.TimeoutException:
-            return Probe.BUSY if inst.last_item_s >= started else Probe.UNANSWERED
-        except httpx.HTTPError:
-            return Probe.UNREACHABLE
-        return Probe.ANSWERED
-
-    def _record(self, pool: InstancePool, inst: Instance, probe: Probe) -> None:
-        if probe is Probe.UNREACHABLE:
-            self._refused.add(inst.url)
-            return
-        if probe is Probe.ANSWERED:
-            self._failed[inst.url] = 0
-            if inst.url in self._refused:
-                self._refused.discard(inst.url)
-                if not inst.healthy:  # restarted: its back-off was for the dead process
-                    pool.mark_success(inst)
-                    log.warning(
-                        "%s instance %s answers again: back in rotation", pool.role, inst.url
-                    )
-            if inst.stall.is_set():
-                inst.stall.clear()
-                log.warning("%s instance %s answers its health probe again", pool.role, inst.url)
-            return
-        if probe is Probe.BUSY:  # it serves: the run of failed probes ends, not the stall
-            self._failed[inst.url] = 0
-            return
-        failed = self._failed.get(inst.url, 0) + 1
-        self._failed[inst.url] = failed
-        if failed >= self.settings.failures and not inst.stall.is_set():
-            inst.stall.set()  # out of rotation; attempts on it are abandoned
-            log.warning(
-                "%s instance %s failed %d health probes in a row: out of rotation until it "
-                "answers (%d requests in flight on it abandoned)",
-                pool.role,
-                inst.url,
-                failed,
-                inst.num_in_flight,
-            )

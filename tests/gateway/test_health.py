@@ -10,7 +10,8 @@ import pytest
 
 from flowprefill.contracts.gateway import HealthProbeSettings
 from flowprefill.gateway.errors import UpstreamError
-from flowprefill.gateway.routing import HealthProber, Instance, InstancePool, Placement, failover
+from flowprefill.gateway.health import HealthProber
+from flowprefill.gateway.routing import Instance, InstancePool, Placement, failover
 
 SETTINGS = HealthProbeSettings(interval_s=0.01, timeout_s=0.01, failures=2)
 
