@@ -91,6 +91,16 @@ def completion_body(job: Job, model: str, text: str, finish_reason: str) -> dict
     return {**_envelope(job, model, job.kind), "choices": [choice], "usage": usage(job)}
 
 
+def _chunk_choice(chat: bool, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+    """A streamed piece's one choice: a chat delta (the role on the first) or a text."""
+    if chat:
+        delta: dict[str, Any] = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+
 def chunk_event(
     job: Job,
     model: str,
@@ -101,14 +111,7 @@ def chunk_event(
     with_usage: bool = False,
 ) -> str:
     """One streamed piece as an SSE event; ``with_usage``: with the usage so far."""
-    choice: dict[str, Any]
-    if job.kind == "chat.completion":
-        delta: dict[str, Any] = {"content": text}
-        if first:
-            delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    choice = _chunk_choice(job.kind == "chat.completion", text, finish_reason, first)
     payload = {**_envelope(job, model, _chunk_object(job)), "choices": [choice]}
     if with_usage:
         payload["usage"] = usage_so_far(job)
@@ -131,14 +134,7 @@ class StreamEvents:
         self, text: str, finish_reason: str | None, *, first: bool = False, with_usage: bool
     ) -> str:
         """:func:`chunk_event`'s event."""
-        choice: dict[str, Any]
-        if self.chat:
-            delta: dict[str, Any] = {"content": text}
-            if first:
-                delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        choice = _chunk_choice(self.chat, text, finish_reason, first)
         if with_usage:
             counts = to_json(usage_so_far(self.job)).decode()
             return f'{self.head}{to_json(choice).decode()}],"usage":{counts}}}\n\n'

@@ -15,6 +15,7 @@ import pytest
 from flowprefill.contracts import EngineConfig
 from flowprefill.contracts.engine import DecodeAwareSettings
 from flowprefill.kv.beats import END, START, BeatSender
+from flowprefill.prefill.engine import PrefillEngine
 from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.server.cli import add_arguments, build_engine, resolve_config
 
@@ -67,11 +68,16 @@ class _Predictor:
         return 0.001 * num_tokens
 
 
-def test_engine_listens_parks_and_counts(tmp_path: Path) -> None:
+def _engine_and_decode(tmp_path: Path) -> tuple[PrefillEngine, BeatSender, str]:
+    """An engine built by serve-prefill's flags (decode-aware, a 10 ms TBT target), and a
+    sender of decode's beats to it; the socket's path."""
     sock = str(tmp_path / "b.sock")
     config = resolve_config(_args("--decode-aware-socket", sock, "--decode-aware-tbt", "0.01"))
-    engine = build_engine(config, _Backend(), _Predictor())
-    sender = BeatSender(sock)
+    return build_engine(config, _Backend(), _Predictor()), BeatSender(sock), sock
+
+
+def test_engine_listens_parks_and_counts(tmp_path: Path) -> None:
+    engine, sender, sock = _engine_and_decode(tmp_path)
     with engine:
         assert Path(sock).exists()
         # Decode is mid-step and its token is due in 10 ms: the task parks until END.
@@ -95,10 +101,7 @@ def test_engine_listens_parks_and_counts(tmp_path: Path) -> None:
 
 
 def test_engine_vetoes_a_park_that_would_cost_a_tight_tasks_deadline(tmp_path: Path) -> None:
-    sock = str(tmp_path / "b.sock")
-    config = resolve_config(_args("--decode-aware-socket", sock, "--decode-aware-tbt", "0.01"))
-    engine = build_engine(config, _Backend(), _Predictor())
-    sender = BeatSender(sock)
+    engine, sender, _ = _engine_and_decode(tmp_path)
     with engine:
         decide = engine.decode_yield
         assert decide is not None
