@@ -1,4 +1,5 @@
-"""``benchmarks/stack/colocated.py``: its TBT rule and goodput on crafted outcomes, and a
+"""``benchmarks/stack/colocated.py`` and its report (``colocated_report.py``): its TBT rule
+and goodput on crafted outcomes, and a
 smoke run at its smallest size (one ``flowprefill up`` with vLLM decode, one rate, two
 requests of a few tokens; the figures are not judged, only that it runs to the end and
 writes what it says)."""
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stack.colocated import crossing, met_tbt_mean, summarize
+from benchmarks.stack.colocated_report import crossing, met_tbt_mean, summarize
 from flowprefill.bench.client import Outcome
 from tests.benchmarks.smoke import run_script
 from tests.benchmarks.test_stack_scripts import linear_profile
