@@ -41,15 +41,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gateway.overhead import (
-    GATEWAY_BODY,
-    Failures,
-    check_stream,
-    cpu_seconds,
-    start_gateway,
-    wait_ready,
-    write_configs,
-)
+from benchmarks.gateway.load import GATEWAY_BODY, Failures, check_stream
+from benchmarks.gateway.overhead import cpu_seconds, start_gateway, wait_ready, write_configs
 from benchmarks.gateway.stubs import raise_fd_limit, serve_stub
 from benchmarks.stack.common import free_port
 from flowprefill.contracts.gateway import HealthProbeSettings
