@@ -71,12 +71,14 @@ def client(stack: dict[str, Any]) -> openai.OpenAI:
 
 
 def load_up(pool: InstancePool, index: int) -> None:
-    """Book 1.6 s of work due within 0.9 s of now on instance ``index`` (each piece
-    feasible on its own, so an S-EDF engine would run it before a later deadline)."""
+    """Book 1.6 s of work due within 0.95 s of now on instance ``index``, in pieces that
+    each stay feasible on their own (so an S-EDF engine would run them before a later
+    deadline) for 0.75 s: a loaded test host may take that long to bring the request to
+    admission, and a piece no longer feasible would not count."""
     inst = pool.instances[index]
     now = pool.clock()
-    for k in range(2):
-        pool.begin(inst, f"ghost-{index}-{k}", now + 0.9, 800)
+    for k in range(8):
+        pool.begin(inst, f"ghost-{index}-{k}", now + 0.95, 200)
 
 
 def served(stack: dict[str, Any]) -> list[int]:
