@@ -16,3 +16,16 @@ def test_a_tiny_run_prints_the_table() -> None:
     run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "ranking" in run.stdout and "indexed" in run.stdout and "blocking" in run.stdout
+
+
+def test_the_mean_ratio_interval_brackets_the_ratio_and_narrows_with_samples() -> None:
+    from benchmarks.prefill.queued_blocking import mean_ratio
+
+    base = [1.0, 2.0, 3.0, 10.0] * 5
+    ratio, lo, hi = mean_ratio([2 * v for v in base], base)
+    assert ratio == 2.0 and lo < 2.0 < hi
+    same, lo_few, hi_few = mean_ratio(base, base)
+    assert same == 1.0 and lo_few < 1.0 < hi_few
+    _, lo_many, hi_many = mean_ratio(base * 20, base * 20)
+    assert hi_many - lo_many < (hi_few - lo_few) / 3  # 20x the samples: about 1/4.5 as wide
+    assert all(v != v for v in mean_ratio([], base))  # nothing measured: NaN, not a ratio
