@@ -105,7 +105,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.detail == _FASTAPI_PARSE_ERROR:
             return error_response(400, "request body is not valid JSON: not UTF-8 text")
-        return error_response(exc.status_code, str(exc.detail))
+        # The exception's headers are part of the answer: a 405's ``Allow`` (RFC 9110
+        # requires it), a 401's ``WWW-Authenticate``.
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     app.add_middleware(UnexpectedErrors)
 

@@ -63,8 +63,8 @@ def test_head_metrics_announces_the_prometheus_text_format(url: str) -> None:
 @pytest.mark.parametrize(
     ("path", "status", "allow"),
     [
-        # POST only: HEAD gets GET's 405 (the error handlers' body, no Allow), bodiless.
-        ("/v1/prefill", 405, None),
+        # POST only: HEAD gets GET's 405 (the error handlers' body, Allow), bodiless.
+        ("/v1/prefill", 405, "POST"),
         ("/v1/kv/h", 405, "DELETE"),  # reads refused on the main port (kv_http)
         ("/no-such-path", 404, None),
     ],
