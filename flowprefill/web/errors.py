@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,7 +48,7 @@ def error_response(
     message: str,
     type_: str | None = None,
     param: str | None = None,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     return JSONResponse(
         error_body(message, type_ or ERROR_TYPES.get(status, "error"), param),
