@@ -57,6 +57,14 @@ FLASH_ATTENTION = "FLASH_ATTN"
 ATTENTION_BACKENDS = (CPU_ATTENTION, FLASH_ATTENTION)
 """The consumers' attention backends whose page layout we write (names as vLLM's
 ``get_name()``); :mod:`flowprefill.kv.nixl.layout` has one layout per name."""
+GPU_BLOCK_SIZE = 16
+"""vLLM's default KV block size (tokens) with GPU attention backends: what decode uses
+unless told, so the producer's blocks match it."""
+CPU_BLOCK_SIZE = 128
+"""vLLM's default KV block size on CPU."""
+CPU_BLOCK_MULTIPLE = 32
+"""vLLM's CPU attention backend needs block sizes that are multiples of this (its kernel
+block); the operator refuses another on a pool without GPUs."""
 
 
 def check_decode_tp(prefill_tp: int, decode_tp: int) -> None:

@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from flowprefill.contracts.nixl import ATTENTION_BACKENDS, CPU_ATTENTION, FLASH_ATTENTION
+from flowprefill.contracts.nixl import (
+    ATTENTION_BACKENDS,
+    CPU_ATTENTION,
+    CPU_BLOCK_MULTIPLE,
+    FLASH_ATTENTION,
+)
 from flowprefill.errors import KVHandoffError
-
-CPU_BLOCK_MULTIPLE = 32
-"""vLLM's CPU backend needs block sizes that are multiples of 32 (its kernel block)."""
 
 
 @dataclass(frozen=True)
@@ -151,4 +153,4 @@ def default_backend(device: torch.device) -> str:
     return CPU_ATTENTION if device.type == "cpu" else FLASH_ATTENTION
 
 
-__all__ = ["CPU_BLOCK_MULTIPLE", "FLASH_ATTENTION", "PageLayout", "default_backend"]
+__all__ = ["FLASH_ATTENTION", "PageLayout", "default_backend"]

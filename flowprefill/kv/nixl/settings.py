@@ -10,15 +10,11 @@ import torch
 
 from flowprefill.contracts import NixlSettings
 from flowprefill.contracts.names import DType
+from flowprefill.contracts.nixl import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
 from flowprefill.errors import KVHandoffError
 from flowprefill.kv.format import DTYPES
 from flowprefill.kv.nixl.layout import PageLayout, default_backend
 from flowprefill.kv.nixl.pool import BlockPool
-
-CPU_BLOCK_SIZE = 128
-"""vLLM's CPU default block size."""
-GPU_BLOCK_SIZE = 16
-"""vLLM's default block size with GPU attention backends."""
 
 
 def model_heads(model_config: Any) -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from flowprefill.contracts.engine import DEFAULT_BATCH_TOKEN_BUDGET, MAX_TP_SIZE
 from flowprefill.contracts.names import DType
+from flowprefill.contracts.nixl import CPU_BLOCK_MULTIPLE, CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
 
 from .autoscaling import OPERATOR_NEEDS_AUTOSCALING, AutoscalerStatus, Autoscaling, ReplicasOwner
 from .colocated import ColocatedSettings
@@ -22,15 +23,12 @@ from .servingpool_rules import (
     COLOCATED_DEVICE,
     COLOCATED_MEMORY_ARG,
     COLOCATED_ONLY,
-    CPU_BLOCK_MULTIPLE,
     DECODE_TP_REFUSED,
     ENGINE_ROLE_ONLY,
     GPU_MEMORY_ARG_PREFIXES,
     KV_TRANSPORT_NEEDED,
     NIXL_BLOCK_SIZE_ARG,
     NIXL_CPU_BLOCK_SIZE,
-    NIXL_CPU_BLOCK_SIZE_DEFAULT,
-    NIXL_GPU_BLOCK_SIZE,
     PREFILL_TP_REFUSED,
     RDMA_NOT_GPU,
     SPEC_RULES,
@@ -358,7 +356,7 @@ class ServingPoolSpec(CRModel):
         kv = self.kv
         if kv and kv.nixl and kv.nixl.block_size is not None:
             return kv.nixl.block_size
-        return NIXL_GPU_BLOCK_SIZE if self.on_gpu else NIXL_CPU_BLOCK_SIZE_DEFAULT
+        return GPU_BLOCK_SIZE if self.on_gpu else CPU_BLOCK_SIZE
 
     @property
     def engine_settings(self) -> EngineSettings:

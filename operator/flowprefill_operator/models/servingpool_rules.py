@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pydantic.json_schema import JsonValue
 
+from flowprefill.contracts.nixl import CPU_BLOCK_MULTIPLE
+
 from .autoscaling import OPERATOR_NEEDS_AUTOSCALING
 from .common import cel
 from .kvhandoff import nixl_cel
@@ -63,8 +65,8 @@ NIXL_BLOCK_SIZE_ARG = (
     "in vllmArgs (the operator passes it to decode and to prefill alike)"
 )
 NIXL_CPU_BLOCK_SIZE = (
-    "kvHandoff.nixl.blockSize must be a multiple of 32 on a pool without GPUs "
-    "(vLLM's CPU attention backend)"
+    f"kvHandoff.nixl.blockSize must be a multiple of {CPU_BLOCK_MULTIPLE} on a pool without "
+    "GPUs (vLLM's CPU attention backend)"
 )
 RDMA_NOT_GPU = (
     "kvHandoff.nixl.rdma.resources must not name resources.gpuResourceName "
@@ -72,11 +74,6 @@ RDMA_NOT_GPU = (
 )
 BLOCK_SIZE_ARG_PREFIXES = ("--block-size=", "--block_size")
 BLOCK_SIZE_FLAG = "--block-size"
-NIXL_GPU_BLOCK_SIZE = 16
-"""vLLM's default block size on GPU (what decode uses unless told)."""
-NIXL_CPU_BLOCK_SIZE_DEFAULT = 128
-"""The block size of CPU pools (the producer's CPU default; a multiple of 32)."""
-CPU_BLOCK_MULTIPLE = 32
 
 
 def sets_block_size(arg: str) -> bool:
