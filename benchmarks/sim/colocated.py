@@ -65,6 +65,7 @@ def pooled(results: list[ColocatedResult]) -> dict[str, float]:
         "both": sum(r.both_attainment * len(r.records) for r in results) / n,
         "gap": sum(x.gaps_within for r in results for x in r.records) / gaps if gaps else 0.0,
         "parks": float(sum(r.num_parks for r in results)),
+        "vetoes": float(sum(r.num_vetoes for r in results)),
     }
 
 
@@ -136,7 +137,9 @@ class Setup:
 
 def sweep(setup: Setup, tbt_slos_s: dict[str, float], progress: Progress, label: str) -> Curves:
     """Every system at every rate, seeds pooled."""
-    curves: Curves = {name: {m: [] for m in (*METRICS, "parks")} for name in setup.systems}
+    curves: Curves = {
+        name: {m: [] for m in (*METRICS, "parks", "vetoes")} for name in setup.systems
+    }
     total = len(setup.systems) * len(setup.rates) * len(setup.workloads)
     job = progress.add_task(label, total=total)
     for name in setup.systems:
@@ -163,7 +166,7 @@ def sweep(setup: Setup, tbt_slos_s: dict[str, float], progress: Progress, label:
 
 def print_table(console: Console, title: str, rates: list[float], curves: Curves) -> None:
     table = Table(title=title)
-    for col in ("rate", "system", "TTFT", "TBT", "both", "per gap", "parks"):
+    for col in ("rate", "system", "TTFT", "TBT", "both", "per gap", "parks", "vetoes"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for k, rate in enumerate(rates):
         for j, name in enumerate(curves):
@@ -173,6 +176,7 @@ def print_table(console: Console, title: str, rates: list[float], curves: Curves
                 COLOCATED_SYSTEMS[name].label,
                 *(f"{c[m][k]:.1%}" for m in METRICS),
                 f"{int(c['parks'][k])}",
+                f"{int(c['vetoes'][k])}",
                 end_section=j == len(curves) - 1,
             )
     console.print(table)

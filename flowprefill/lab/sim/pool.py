@@ -172,14 +172,32 @@ class SimulatedPool:
             return now_s  # done by now: its completion is due, nothing to stall
         begin = now_s
         if at_next_checkpoint:
-            checkpoint = run.plan.next_checkpoint_s(elapsed)
-            if checkpoint is None or checkpoint >= run.plan.total_s - _EPS_S:
+            park = self.next_park(now_s)
+            if park is None:
                 return now_s + max(0.0, run.started_s - now_s) + run.plan.total_s - elapsed
-            begin = now_s + max(0.0, run.started_s - now_s) + max(0.0, checkpoint - elapsed)
+            begin = park[0]
         run.done_s = min(_elapsed(run, begin), run.plan.total_s)
         run.started_s = max(begin, run.started_s) + delay_s
         run.token += 1
         return begin
+
+    def next_park(self, now_s: float) -> tuple[float, float] | None:
+        """Where the running task would park for a stall from its next checkpoint at or
+        after ``now_s`` (:meth:`stall` with ``at_next_checkpoint``): the clock time, and
+        its progress there (what the engine's task control reads at that checkpoint).
+        None when nothing runs or it ends before another checkpoint."""
+        task = self.running
+        if task is None:
+            return None
+        run = self._run(task)
+        assert run.started_s is not None
+        elapsed = min(_elapsed(run, now_s), run.plan.total_s)
+        checkpoint = run.plan.next_checkpoint_s(elapsed)
+        if checkpoint is None or checkpoint >= run.plan.total_s - _EPS_S:
+            return None
+        checkpoint = max(checkpoint, elapsed)
+        begin = now_s + max(0.0, run.started_s - now_s) + checkpoint - elapsed
+        return begin, run.plan.progress(checkpoint)
 
     def cancel(self, task: Task) -> None:
         raise NotImplementedError("the simulator issues no cancellations")

@@ -72,10 +72,36 @@ def test_decode_aware_parks_the_prefill_at_an_operator_boundary() -> None:
     assert d2 <= aware.gaps_s[1] <= d2 + MAX_BLOCKING_S + 1e-9
     assert aware.gaps_s[1] <= 0.02
     assert runs["flowprefill-da"].num_parks == 1
+    assert runs["flowprefill-da"].num_vetoes == 0  # the 16K prompt still makes its target
     # The parked prefill loses the whole solo step (not α × it): its first token is later.
     assert runs["flowprefill-da"].ttft_s(1) == pytest.approx(
         runs["flowprefill"].ttft_s(1), abs=1e-9
     )  # α = 1: both lose exactly d2
+
+
+def test_decode_aware_does_not_park_a_prefill_whose_ttft_the_park_would_cost() -> None:
+    # The same pair, with TTFT targets a hundredth of §6.5's: the 16K prompt cannot end by
+    # its deadline, so a park would only delay it (and the queue): the engine's TTFT-first
+    # rule vetoes it, and the step shares the device as without decode-aware.
+    t_a = _solo_s(64)
+    tight = {"text": 0.02, "image": 0.02, "search": 0.2, "file": 0.2}
+    runs = {
+        name: run_colocated(
+            name,
+            _pair(t_a),
+            COST,
+            rate=1.0,
+            outputs=[3, 1],
+            keep_gaps=True,
+            tbt_slos_s=tight,
+            ttft_scale=0.01,
+        )
+        for name in ("flowprefill", "flowprefill-da")
+    }
+    aware = runs["flowprefill-da"]
+    assert aware.num_parks == 0 and aware.num_vetoes == 1
+    assert aware.records[0].gaps_s == pytest.approx(runs["flowprefill"].records[0].gaps_s)
+    assert aware.ttft_s(1) == pytest.approx(runs["flowprefill"].ttft_s(1), abs=1e-9)
 
 
 def test_vllm_iterations_mix_every_decode_with_up_to_2k_prompt_tokens() -> None:
