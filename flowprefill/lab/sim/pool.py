@@ -162,12 +162,11 @@ class SimulatedPool:
         window sees it, and a ``preempt`` waits for the stall to end as well)."""
         if delay_s < 0:
             raise ValueError(f"a stall cannot be negative: {delay_s}")
-        task = self.running
-        if task is None:
+        running = self._running_at(now_s)
+        if running is None:
             return now_s
-        run = self._run(task)
+        run, elapsed = running
         assert run.started_s is not None
-        elapsed = min(_elapsed(run, now_s), run.plan.total_s)
         if elapsed >= run.plan.total_s - _EPS_S:
             return now_s  # done by now: its completion is due, nothing to stall
         begin = now_s
@@ -181,17 +180,24 @@ class SimulatedPool:
         run.token += 1
         return begin
 
+    def _running_at(self, now_s: float) -> tuple[_Run, float] | None:
+        """The running task's run and the run time it has completed by ``now_s`` (capped
+        at its total); None when nothing runs."""
+        if self.running is None:
+            return None
+        run = self._run(self.running)
+        return run, min(_elapsed(run, now_s), run.plan.total_s)
+
     def next_park(self, now_s: float) -> tuple[float, float] | None:
         """Where the running task would park for a stall from its next checkpoint at or
         after ``now_s`` (:meth:`stall` with ``at_next_checkpoint``): the clock time, and
         its progress there (what the engine's task control reads at that checkpoint).
         None when nothing runs or it ends before another checkpoint."""
-        task = self.running
-        if task is None:
+        running = self._running_at(now_s)
+        if running is None:
             return None
-        run = self._run(task)
+        run, elapsed = running
         assert run.started_s is not None
-        elapsed = min(_elapsed(run, now_s), run.plan.total_s)
         checkpoint = run.plan.next_checkpoint_s(elapsed)
         if checkpoint is None or checkpoint >= run.plan.total_s - _EPS_S:
             return None
