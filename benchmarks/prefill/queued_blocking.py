@@ -65,10 +65,15 @@ RELAXED_SLO_S = 1e6
 class Arm:
     queued: int
     scheduler: str
-    blocking_ms: list[float] = field(default_factory=list)
+    blocking_runs: list[list[float]] = field(default_factory=list)
+    """The urgent preemptions' blocking, ms, one list per run."""
     long_ttft_ms: list[float] = field(default_factory=list)
     rounds: list[int] = field(default_factory=list)
     arrivals: list[int] = field(default_factory=list)
+
+    @property
+    def blocking_ms(self) -> list[float]:
+        return [b for run in self.blocking_runs for b in run]
 
 
 BLOCKER = [5] * 8
@@ -166,7 +171,7 @@ def one_run(
         # dropped undrained (on a GPU a probe that missed its target waits behind thousands
         # of queued requests).
         # The first preemption is the blocker's (by the long prompt): not a probe's.
-        arm.blocking_ms += [b * 1e3 for b in list(engine.blocking_times_s)[1:]]
+        arm.blocking_runs.append([b * 1e3 for b in list(engine.blocking_times_s)[1:]])
         arm.long_ttft_ms.append(long.ttft_s * 1e3)
         arm.rounds.append(engine.scheduler.stats.num_rounds - rounds_before)
         arm.arrivals.append(streamed[0])
@@ -192,21 +197,38 @@ def pct(values: list[float], q: float) -> float:
 
 
 def mean_ratio(
-    values: Sequence[float], base: Sequence[float], *, resamples: int = 4000, seed: int = 0
+    runs: Sequence[Sequence[float]],
+    base: Sequence[Sequence[float]],
+    *,
+    resamples: int = 4000,
+    seed: int = 0,
 ) -> tuple[float, float, float]:
-    """``mean(values) / mean(base)`` and its 90 % bootstrap interval (each sample resampled
-    on its own, percentile method). The blocking is heavy-tailed (a signal that lands in
-    one of the CPU's long operators waits for its end), so a ratio of two means from a few
-    dozen preemptions moves by tens of percent: the interval says what the run can bound."""
-    if not values or not base:
+    """The mean of every sample in ``runs`` over the same of ``base``, and its 90 %
+    bootstrap interval (percentile method). Runs are resampled whole, not samples: the
+    preemptions of one run share its conditions (what else the host ran, the garbage
+    the last run left), so resampling them one by one would claim an interval too narrow.
+    The blocking is heavy-tailed (a signal that lands in one of the CPU's long operators
+    waits for its end): the interval says what a run can bound. NaN where either side has
+    no sample."""
+
+    def sums(side: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+        return (
+            np.array([sum(run) for run in side], dtype=float),
+            np.array([len(run) for run in side], dtype=float),
+        )
+
+    (a_sum, a_n), (b_sum, b_n) = sums(runs), sums(base)
+    if not a_n.sum() or not b_n.sum():
         return (float("nan"),) * 3
     rng = np.random.default_rng(seed)
-    a, b = np.asarray(values, dtype=float), np.asarray(base, dtype=float)
-    ra = rng.choice(a, size=(resamples, a.size)).mean(axis=1)
-    rb = rng.choice(b, size=(resamples, b.size)).mean(axis=1)
-    ratios = ra / rb
-    lo, hi = np.percentile(ratios, [5.0, 95.0])
-    return float(a.mean() / b.mean()), float(lo), float(hi)
+    ia = rng.integers(0, a_sum.size, size=(resamples, a_sum.size))
+    ib = rng.integers(0, b_sum.size, size=(resamples, b_sum.size))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = (a_sum[ia].sum(axis=1) / a_n[ia].sum(axis=1)) / (
+            b_sum[ib].sum(axis=1) / b_n[ib].sum(axis=1)
+        )
+    lo, hi = np.nanpercentile(ratios, [5.0, 95.0])
+    return float((a_sum.sum() / a_n.sum()) / (b_sum.sum() / b_n.sum())), float(lo), float(hi)
 
 
 def main() -> None:
@@ -247,13 +269,12 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for arm in arms if repeat % 2 == 0 else list(reversed(arms)):
                     progress.update(job, description=f"{arm.queued} queued, {arm.scheduler}")
-                    seen = len(arm.blocking_ms)
                     one_run(arm, ex, predictor, long_prompt, long_s, args)
                     progress.advance(job)
                     # A line per run, so a run cut short still shows what it measured.
                     progress.console.print(
                         f"repeat {repeat + 1}, {arm.queued:,} queued, {arm.scheduler}: blocking "
-                        f"{' '.join(f'{b:.2f}' for b in arm.blocking_ms[seen:])} ms, "
+                        f"{' '.join(f'{b:.2f}' for b in arm.blocking_runs[-1])} ms, "
                         f"long TTFT {arm.long_ttft_ms[-1]:.0f} ms"
                     )
     table = Table(
@@ -264,12 +285,16 @@ def main() -> None:
     )
     for column in ("queued", "scheduler", "preemptions", "blocking p50 ms", "blocking mean ms",
                    "blocking p99 ms", "mean vs first (90 % interval)",
-                   "long TTFT ms (median)", "rounds", "arrivals"):  # fmt: skip
+                   "long TTFT ms (median)", "long TTFT vs first (90 % interval)",
+                   "rounds", "arrivals"):  # fmt: skip
         table.add_column(column, justify="right")
     for arm in arms:
         # Against the same scheduler's first arm (by default, the empty queue).
         base = next(a for a in arms if a.scheduler == arm.scheduler)
-        ratio, lo, hi = mean_ratio(arm.blocking_ms, base.blocking_ms)
+        ratio, lo, hi = mean_ratio(arm.blocking_runs, base.blocking_runs)
+        ttft, ttft_lo, ttft_hi = mean_ratio(
+            [[t] for t in arm.long_ttft_ms], [[t] for t in base.long_ttft_ms]
+        )
         table.add_row(
             f"{arm.queued:,}",
             arm.scheduler,
@@ -279,6 +304,7 @@ def main() -> None:
             f"{pct(arm.blocking_ms, 0.99):.2f}" if arm.blocking_ms else "-",
             "-" if arm is base or not arm.blocking_ms else f"{ratio:.2f} ({lo:.2f}-{hi:.2f})",
             f"{statistics.median(arm.long_ttft_ms):.0f}",
+            "-" if arm is base else f"{ttft:.3f} ({ttft_lo:.3f}-{ttft_hi:.3f})",
             f"{sum(arm.rounds):,}",
             f"{sum(arm.arrivals):,}",
         )
