@@ -17,11 +17,17 @@ urgent preemption. Per arm (queued requests × scheduler):
 Batching is off (``none``), so every arm does the same work: a probe runs alone, not
 with queued requests. Schedulers: ``indexed`` (the engine's) and ``ranking``
 (:mod:`flowprefill.lab.ranking`, which ranks every entry as the engine did before its
-queue was indexed), swapped into the engine for the run. Arms alternate repeat by repeat
-so drift hits every arm alike; the engine is dropped without draining after each repeat.
+queue was indexed), swapped into the engine for the run. Each repeat runs the arms in a
+fresh random order (seeded), so that drift, and what a run leaves behind for the next (a
+dropped queue's garbage), hit every arm alike; the engine is dropped without draining
+after each run. ``--gc frozen`` (default) freezes what startup built out of the garbage
+collector's scans after the warm-up, as ``serve-prefill`` does; ``--gc python`` keeps
+Python's defaults. Full collections that fall while the long prompt runs are counted with
+their longest pause.
 
     python benchmarks/prefill/queued_blocking.py                    # 0 / 1,000 / 10,000 queued
     python benchmarks/prefill/queued_blocking.py --queued 0,100 --repeats 1 --tokens 1024
+    python benchmarks/prefill/queued_blocking.py --schedulers indexed --gc python
     python benchmarks/prefill/queued_blocking.py --device cuda --model llama3-8b --tokens 16384
 
 On CUDA the model is ``benchmarks/gpuval``'s Llama-3-8B shape (random bf16 weights built on
@@ -31,6 +37,8 @@ the GPU, ``--layers`` to shorten it); docs/gpu.md has its figures on an H100.
 from __future__ import annotations
 
 import argparse
+import gc
+import random
 import statistics
 import sys
 import threading
@@ -55,6 +63,7 @@ from flowprefill.prefill.executor.preemption import TaskControl
 from flowprefill.prefill.executor.runner import PreemptibleExecutor
 from flowprefill.prefill.predictor.model import TTFTPredictor
 from flowprefill.prefill.scheduler.core import Scheduler
+from flowprefill.web.gc_tuning import freeze_startup
 
 SCHEDULERS: dict[str, type[Scheduler]] = {"indexed": Scheduler, "ranking": RankingScheduler}
 RELAXED_SLO_S = 1e6
@@ -70,11 +79,39 @@ class Arm:
     long_ttft_ms: list[float] = field(default_factory=list)
     rounds: list[int] = field(default_factory=list)
     arrivals: list[int] = field(default_factory=list)
+    full_gc_ms: list[float] = field(default_factory=list)
+    """Pauses of full (oldest-generation) garbage collections while the long prompt ran."""
 
     @property
     def blocking_ms(self) -> list[float]:
         return [b for run in self.blocking_runs for b in run]
 
+
+class FullCollections:
+    """Times Python's full garbage collections (``gc.callbacks``) while :attr:`on`: each
+    holds the GIL for its whole scan, so a preemption signalled meanwhile waits for it."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.pauses_s: list[float] = []
+        self._began = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if not self.on or info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses_s.append(time.perf_counter() - self._began)
+
+    def take(self) -> list[float]:
+        """The pauses since the last call, seconds."""
+        pauses, self.pauses_s = self.pauses_s, []
+        return pauses
+
+
+FULL_COLLECTIONS = FullCollections()
 
 BLOCKER = [5] * 8
 """The blocker's prompt: :class:`Holding` runs it only once the queue is filled."""
@@ -146,6 +183,8 @@ def one_run(
         wait_until(lambda: engine.snapshot.num_requests >= arm.queued + 1, 600)
         rounds_before = engine.scheduler.stats.num_rounds
         engine.blocking_times_s.clear()
+        FULL_COLLECTIONS.take()
+        FULL_COLLECTIONS.on = True
         long_f = engine.submit(long_prompt, ttft_slo_s=1e5, request_id="long")
         # The long prompt preempts the blocker (which stays parked until it is done).
         wait_until(lambda: len(engine.blocking_times_s) >= 1, 60)
@@ -165,6 +204,8 @@ def one_run(
             slo_s = args.probe_slo_s * (k + 1)
             engine.submit(short, ttft_slo_s=slo_s, request_id=f"u{k}")
         long = long_f.result(timeout=120 + 20 * long_s)
+        FULL_COLLECTIONS.on = False
+        arm.full_gc_ms += [p * 1e3 for p in FULL_COLLECTIONS.take()]
         stop.set()
         streamer.join()
         # The probes' preemptions are what is measured, not their answers: the engine is
@@ -249,6 +290,13 @@ def main() -> None:
         default=0.05,
         help="the k-th urgent probe's TTFT target is k times this (tight: each preempts)",
     )
+    ap.add_argument(
+        "--gc",
+        choices=("frozen", "python"),
+        default="frozen",
+        help="frozen: what startup built is frozen out of the collector's scans, as "
+        "serve-prefill does (flowprefill.web.gc_tuning); python: Python's defaults",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     model = build(args)
@@ -263,11 +311,14 @@ def main() -> None:
         t0 = time.perf_counter()
         ex.run([long_prompt], TaskControl("alone"))
         long_s = time.perf_counter() - t0
+        if args.gc == "frozen":
+            freeze_startup()
         predictor = TTFTPredictor.linear(per_token_s=long_s / args.tokens)
         with Progress(console=console, transient=True) as progress:
             job = progress.add_task("arms", total=args.repeats * len(arms))
+            order = random.Random(0)
             for repeat in range(args.repeats):
-                for arm in arms if repeat % 2 == 0 else list(reversed(arms)):
+                for arm in order.sample(arms, len(arms)):
                     progress.update(job, description=f"{arm.queued} queued, {arm.scheduler}")
                     one_run(arm, ex, predictor, long_prompt, long_s, args)
                     progress.advance(job)
@@ -281,12 +332,12 @@ def main() -> None:
         title=f"{args.tokens}-token prefill ({args.model}, {args.device}, sync {args.sync}, "
         f"alone {long_s * 1e3:.0f} ms) with "
         f"{args.rate:g} arrivals/s streaming and {args.probes} urgent preemptions, "
-        f"{args.repeats} repeats"
+        f"{args.repeats} repeats, garbage collector {args.gc}"
     )
     for column in ("queued", "scheduler", "preemptions", "blocking p50 ms", "blocking mean ms",
                    "blocking p99 ms", "mean vs first (90 % interval)",
                    "long TTFT ms (median)", "long TTFT vs first (90 % interval)",
-                   "rounds", "arrivals"):  # fmt: skip
+                   "full GCs (max ms)", "rounds", "arrivals"):  # fmt: skip
         table.add_column(column, justify="right")
     for arm in arms:
         # Against the same scheduler's first arm (by default, the empty queue).
@@ -305,6 +356,7 @@ def main() -> None:
             "-" if arm is base or not arm.blocking_ms else f"{ratio:.2f} ({lo:.2f}-{hi:.2f})",
             f"{statistics.median(arm.long_ttft_ms):.0f}",
             "-" if arm is base else f"{ttft:.3f} ({ttft_lo:.3f}-{ttft_hi:.3f})",
+            f"{len(arm.full_gc_ms)} ({max(arm.full_gc_ms, default=0.0):.1f})",
             f"{sum(arm.rounds):,}",
             f"{sum(arm.arrivals):,}",
         )

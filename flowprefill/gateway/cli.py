@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,40 +97,20 @@ def _model_dir(path_or_name: str) -> Path:
     return resolve_model_path(path_or_name)
 
 
-GC_YOUNG_THRESHOLD = 10_000
-"""Allocations between two collections of the youngest generation (Python's default: 700)."""
-
-
-def tune_gc(young_threshold: int = GC_YOUNG_THRESHOLD) -> None:
-    """Garbage collection for a server that allocates a few hundred objects per request,
-    nearly all freed by reference counting when the request ends: what startup built
-    (modules, the app, the tokenizer) is frozen out of every later collection
-    (``gc.freeze``), and the youngest generation is collected every ``young_threshold``
-    allocations instead of 700, so a request's short-lived objects are mostly gone before
-    a collection would scan them (and promote the live ones to older generations, which
-    then make the full collections long). Measured under the throughput phase of
-    benchmarks/gateway/overhead.py: collections took 8-11 % of the gateway's CPU with
-    Python's defaults, about 1 % with these. Cyclic garbage is still collected, a little
-    later; older generations keep Python's thresholds."""
-    gc.collect()
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(young_threshold, older, oldest)
-
-
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from flowprefill.gateway.access_log import log_config
     from flowprefill.gateway.app import create_gateway_app
     from flowprefill.web.errors import BodySizeLimit
+    from flowprefill.web.gc_tuning import GATEWAY_YOUNG_THRESHOLD, freeze_startup
     from flowprefill.web.limits import uvicorn_options
 
     config = GatewayConfig.model_validate_json(Path(args.config).read_text())
     state = build_state(config, args.slo_table, args.upstream_timeout)
     limit = int(args.max_body_mb * 2**20)
     app = BodySizeLimit(create_gateway_app(state), limit, args.body_timeout)
-    tune_gc()  # everything built so far lives as long as the process
+    freeze_startup(GATEWAY_YOUNG_THRESHOLD)  # what was built so far lives as long as the process
     uvicorn.run(
         app,
         host=args.host,

@@ -5,4 +5,5 @@
 - :mod:`~flowprefill.web.disconnect`: await something unless the client goes away first.
 - :mod:`~flowprefill.web.probes`: ``/health``, ``/ready`` and ``/metrics``.
 - :mod:`~flowprefill.web.sse`: server-sent event framing.
+- :mod:`~flowprefill.web.gc_tuning`: startup frozen out of the garbage collector's scans.
 """

@@ -220,25 +220,3 @@ def test_token_ids_outside_the_vocabulary_name_the_first(ids: list[int], bad: in
         tok.check_token_ids(ids, "prompt")
     assert str(e.value).startswith(f"prompt[{bad}]: token id {ids[bad]} is out of vocabulary")
     assert e.value.param == "prompt" and e.value.status == 400
-
-
-def test_tune_gc_freezes_what_startup_built_and_collects_the_young_less_often() -> None:
-    import gc
-
-    from flowprefill.gateway.cli import GC_YOUNG_THRESHOLD, tune_gc
-
-    before = gc.get_threshold()
-    try:
-        tune_gc()
-        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
-        assert gc.get_freeze_count() > 1000  # the modules imported so far, at least
-
-        class Node:
-            def __init__(self) -> None:
-                self.me = self
-
-        Node()  # a cycle made after the freeze is still collected
-        assert gc.collect() >= 1
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*before)

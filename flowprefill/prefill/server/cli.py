@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     from flowprefill.prefill.server.pd_api import add_pd_route
     from flowprefill.prefill.server.prefill import create_app
     from flowprefill.prefill.tp.prefill_backend import TPPrefillBackend
+    from flowprefill.web.gc_tuning import freeze_startup
 
     config = resolve_config(args)
     kv_http = config.kv is not None and config.kv.transport is KVTransport.HTTP
@@ -269,6 +270,10 @@ def run(args: argparse.Namespace) -> int:
                 server.should_exit = True
 
             tp.group.on_failure(rank_failed)
+        # The model, torch and the app live as long as the process: out of the full
+        # collections that would otherwise hold the GIL for their whole scan while the
+        # executor waits at a checkpoint (flowprefill.web.gc_tuning).
+        freeze_startup()
         serve(server, kv_server)
     finally:
         closing.close()
