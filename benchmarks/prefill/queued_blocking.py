@@ -9,8 +9,9 @@ urgent preemption. Per arm (queued requests × scheduler):
 1. a blocker holds the executor (waiting at checkpoints, so it can be preempted) while
    ``--queued`` relaxed requests are queued behind it (they rank after everything below);
 2. the long prompt arrives and preempts the blocker; while it runs, relaxed arrivals
-   stream in at ``--rate`` per second and ``--probes`` urgent short prompts arrive at
-   spread moments, each preempting it;
+   stream in at ``--rate`` per second and ``--probes`` urgent short prompts arrive, each
+   at a random moment (seeded) of its own equal slot of the prompt's solo time, each
+   preempting it;
 3. recorded: the urgent preemptions' blocking (signal → ACK, the engine's own
    measurement), the long prompt's TTFT, and how many rounds ran meanwhile.
 
@@ -172,6 +173,7 @@ def one_run(
     long_prompt: list[int],
     long_s: float,
     args: argparse.Namespace,
+    rng: random.Random,
 ) -> None:
     short = [7] * 16
     backend = Holding(ex)
@@ -199,8 +201,13 @@ def one_run(
 
         streamer = threading.Thread(target=stream, daemon=True)
         streamer.start()
+        # Probe k lands at a random moment of its own slot: at fixed offsets every run's
+        # signals would fall in the same operators, and how long a signal waits for its
+        # checkpoint depends on the operator it lands in, not on the queue.
+        slot_s, began = long_s / (args.probes + 1), time.perf_counter()
         for k in range(args.probes):
-            time.sleep(long_s / (args.probes + 1))
+            at = began + (k + 0.5 + rng.random()) * slot_s
+            time.sleep(max(0.0, at - time.perf_counter()))
             slo_s = args.probe_slo_s * (k + 1)
             engine.submit(short, ttft_slo_s=slo_s, request_id=f"u{k}")
         long = long_f.result(timeout=120 + 20 * long_s)
@@ -316,11 +323,11 @@ def main() -> None:
         predictor = TTFTPredictor.linear(per_token_s=long_s / args.tokens)
         with Progress(console=console, transient=True) as progress:
             job = progress.add_task("arms", total=args.repeats * len(arms))
-            order = random.Random(0)
+            order, probe_times = random.Random(0), random.Random(1)
             for repeat in range(args.repeats):
                 for arm in order.sample(arms, len(arms)):
                     progress.update(job, description=f"{arm.queued} queued, {arm.scheduler}")
-                    one_run(arm, ex, predictor, long_prompt, long_s, args)
+                    one_run(arm, ex, predictor, long_prompt, long_s, args, probe_times)
                     progress.advance(job)
                     # A line per run, so a run cut short still shows what it measured.
                     progress.console.print(
