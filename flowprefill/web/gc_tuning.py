@@ -4,10 +4,10 @@ Both build most of their objects at startup (modules, torch and the model, the t
 the app) and keep them for the life of the process. Python's cyclic collector would scan
 all of them in every full collection, holding the GIL throughout, and while one runs the
 prefill executor's thread cannot pass a checkpoint, so a preemption waits for it: with
-tiny-llama on a 2-core machine, full collections during a prefill took up to 198 ms with
-Python's defaults and up to 46 ms with startup frozen, and the blocking of preemptions
-with 10,000 requests waiting went from 1.10x an empty queue's to 0.99x
-(``benchmarks/prefill/queued_blocking.py --gc python|frozen``; docs/scheduler.md).
+tiny-llama on a 2-core machine and 10,000 requests waiting, full collections during a
+prefill took up to 198-313 ms with Python's defaults and up to 46 ms with startup frozen
+(``benchmarks/prefill/queued_blocking.py --gc python|frozen``; docs/scheduler.md, which
+also says what this did not settle: the mean blocking).
 :func:`freeze_startup` moves what exists into the permanent generation (``gc.freeze``,
 as vLLM does after it starts), so later collections scan only what serving made.
 """
