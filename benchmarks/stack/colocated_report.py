@@ -85,19 +85,6 @@ def summarize(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def crossing(rates: list[float], values: list[float], target: float = TARGET) -> float | None:
-    """``benchmarks/sim/colocated.py``'s goodput: the highest rate at which ``values`` are
-    still ≥ target, interpolated linearly to the first point below it; None when even the
-    lowest rate misses it; the last rate when none does."""
-    if not values or values[0] < target:
-        return None
-    for k in range(1, len(values)):
-        if values[k] < target:
-            r0, r1, v0, v1 = rates[k - 1], rates[k], values[k - 1], values[k]
-            return r0 + (r1 - r0) * (v0 - target) / (v0 - v1)
-    return rates[-1]
-
-
 def pool(probes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Several rounds' probes at one rate as one: attainments weighted by requests, latency
     figures averaged (one round: that probe's figures)."""

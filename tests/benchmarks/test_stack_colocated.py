@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stack.colocated_report import crossing, met_tbt_mean, summarize
+from benchmarks.sim.colocated import crossing
+from benchmarks.stack.colocated_report import met_tbt_mean, summarize
 from flowprefill.bench.client import Outcome
 from tests.benchmarks.smoke import run_script
 from tests.benchmarks.test_stack_scripts import linear_profile
