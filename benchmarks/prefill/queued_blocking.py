@@ -4,16 +4,26 @@ arrivals stream in: what the scheduler's rounds cost the executor under the GIL.
 The engine's loop thread runs a scheduling round for every arrival; the executor thread
 runs the prefill and must take the GIL at each checkpoint to see a preemption signal. A
 round that ranks the whole queue therefore slows the prefill and delays the ACK of an
-urgent preemption. Per arm (queued requests × scheduler):
+urgent preemption. Per arm (queued requests × scheduler), one engine per run:
 
 1. a blocker holds the executor (waiting at checkpoints, so it can be preempted) while
-   ``--queued`` relaxed requests are queued behind it (they rank after everything below);
-2. the long prompt arrives and preempts the blocker; while it runs, relaxed arrivals
-   stream in at ``--rate`` per second and ``--probes`` urgent short prompts arrive, each
-   at a random moment (seeded) of its own equal slot of the prompt's solo time, each
-   preempting it;
-3. recorded: the urgent preemptions' blocking (signal → ACK, the engine's own
-   measurement), the long prompt's TTFT, and how many rounds ran meanwhile.
+   ``--queued`` relaxed requests are queued behind it (they rank after everything below),
+   and relaxed arrivals stream in at ``--rate`` per second from then on;
+2. ``--longs`` long prompts, one after the other, each preempt the blocker; one urgent
+   short prompt (a probe) arrives while each runs, at a set fraction of the prompt's solo
+   time after it started executing, and preempts it;
+3. recorded: the probes' blocking (signal → ACK, the engine's own measurement), the long
+   prompts' TTFT and how many rounds ran meanwhile.
+
+A probe's blocking is how long the operator its signal lands in still has to run (then
+the checkpoint, the GIL and the ACK): on a CPU a 4,096-token prompt's attention runs for
+tens of milliseconds, its other operators for well under one. So where the signal lands
+decides a sample, and arms compare only if their signals land alike. Hence the moments
+are timed from the long prompt's own start (not from its submission, which a long queue
+delays), spread evenly over the prompt (each run's fractions are stratified), and the
+same in every arm of a repeat (common random numbers; the intervals resample repeats,
+pairing the arms). What remains between arms is what the queue costs: slower operators
+(the GIL, the cores the rounds take), a later checkpoint, a later ACK.
 
 Batching is off (``none``), so every arm does the same work: a probe runs alone, not
 with queued requests. Schedulers: ``indexed`` (the engine's) and ``ranking``
@@ -23,8 +33,9 @@ fresh random order (seeded), so that drift, and what a run leaves behind for the
 dropped queue's garbage), hit every arm alike; the engine is dropped without draining
 after each run. ``--gc frozen`` (default) freezes what startup built out of the garbage
 collector's scans after the warm-up, as ``serve-prefill`` does; ``--gc python`` keeps
-Python's defaults. Full collections that fall while the long prompt runs are counted with
-their longest pause.
+Python's defaults. Full collections that fall while a long prompt runs are counted with
+their longest pause. The predictor is linear at ``--per-token-us`` (default: the prompt's
+solo time), so that runs of the benchmark can share one.
 
     python benchmarks/prefill/queued_blocking.py                    # 0 / 1,000 / 10,000 queued
     python benchmarks/prefill/queued_blocking.py --queued 0,100 --repeats 1 --tokens 1024
@@ -76,16 +87,22 @@ class Arm:
     queued: int
     scheduler: str
     blocking_runs: list[list[float]] = field(default_factory=list)
-    """The urgent preemptions' blocking, ms, one list per run."""
-    long_ttft_ms: list[float] = field(default_factory=list)
+    """The probes' blocking, ms, one list per run (a probe that came after its long prompt
+    had finished preempted nothing: no sample)."""
+    long_ttft_runs: list[list[float]] = field(default_factory=list)
+    """The long prompts' TTFT, ms, one list per run."""
     rounds: list[int] = field(default_factory=list)
     arrivals: list[int] = field(default_factory=list)
     full_gc_ms: list[float] = field(default_factory=list)
-    """Pauses of full (oldest-generation) garbage collections while the long prompt ran."""
+    """Pauses of full (oldest-generation) garbage collections while the long prompts ran."""
 
     @property
     def blocking_ms(self) -> list[float]:
         return [b for run in self.blocking_runs for b in run]
+
+    @property
+    def long_ttft_ms(self) -> list[float]:
+        return [t for run in self.long_ttft_runs for t in run]
 
 
 class FullCollections:
@@ -115,17 +132,20 @@ class FullCollections:
 FULL_COLLECTIONS = FullCollections()
 
 BLOCKER = [5] * 8
-"""The blocker's prompt: :class:`Holding` runs it only once the queue is filled."""
+"""The blocker's prompt: :class:`Holding` keeps it at its checkpoints until released."""
 
 
 class Holding:
-    """The executor, except that the blocker's task waits at checkpoints until ``filled``
-    (so the queued requests cannot start before the queue is full, however slowly the
-    machine submits them), then runs its short prompt."""
+    """The executor, except that the blocker's task waits at checkpoints until
+    ``released`` (so no queued request runs between the long prompts, however slowly the
+    machine submits them), and that each long prompt's start is stamped (``started``)."""
 
-    def __init__(self, ex: PreemptibleExecutor) -> None:
+    def __init__(self, ex: PreemptibleExecutor, long_prompt: list[int]) -> None:
         self.ex = ex
-        self.filled = threading.Event()
+        self.long_prompt = long_prompt
+        self.released = threading.Event()
+        self.started = threading.Event()
+        self.started_at = 0.0
         self.max_prompt_tokens = ex.max_prompt_tokens
 
     def validate(self, prompts: Sequence[Sequence[int]]) -> Any:
@@ -136,8 +156,11 @@ class Holding:
 
     def run(self, prompts: Sequence[Sequence[int]], control: TaskControl) -> Sequence[Any]:
         if list(prompts[0]) == BLOCKER:
-            while not self.filled.wait(0.002):
+            while not self.released.wait(0.002):
                 control.check()
+        elif list(prompts[0]) == self.long_prompt:
+            self.started_at = time.perf_counter()
+            self.started.set()
         return self.ex.run(prompts, control)
 
 
@@ -172,25 +195,20 @@ def one_run(
     predictor: TTFTPredictor,
     long_prompt: list[int],
     long_s: float,
+    phases: Sequence[float],
     args: argparse.Namespace,
-    rng: random.Random,
 ) -> None:
+    """One engine: fill its queue, then a long prompt per entry of ``phases``, each probed
+    at that fraction of ``long_s`` after it started executing."""
     short = [7] * 16
-    backend = Holding(ex)
+    backend = Holding(ex, long_prompt)
+    blocking, ttfts = [], []
     with engine_with(SCHEDULERS[arm.scheduler], backend, predictor) as engine:
         engine.submit(BLOCKER, ttft_slo_s=2e5, request_id="blocker")
         wait_until(lambda: engine.scheduler.running is not None, 30)
         for i in range(arm.queued):
             engine.submit(short, ttft_slo_s=RELAXED_SLO_S, request_id=f"q{i}")
         wait_until(lambda: engine.snapshot.num_requests >= arm.queued + 1, 600)
-        rounds_before = engine.scheduler.stats.num_rounds
-        engine.blocking_times_s.clear()
-        FULL_COLLECTIONS.take()
-        FULL_COLLECTIONS.on = True
-        long_f = engine.submit(long_prompt, ttft_slo_s=1e5, request_id="long")
-        # The long prompt preempts the blocker (which stays parked until it is done).
-        wait_until(lambda: len(engine.blocking_times_s) >= 1, 60)
-        backend.filled.set()
         stop, streamed = threading.Event(), [0]
 
         def stream() -> None:
@@ -201,28 +219,48 @@ def one_run(
 
         streamer = threading.Thread(target=stream, daemon=True)
         streamer.start()
-        # Probe k lands at a random moment of its own slot: at fixed offsets every run's
-        # signals would fall in the same operators, and how long a signal waits for its
-        # checkpoint depends on the operator it lands in, not on the queue.
-        slot_s, began = long_s / (args.probes + 1), time.perf_counter()
-        for k in range(args.probes):
-            at = began + (k + 0.5 + rng.random()) * slot_s
-            time.sleep(max(0.0, at - time.perf_counter()))
-            slo_s = args.probe_slo_s * (k + 1)
-            engine.submit(short, ttft_slo_s=slo_s, request_id=f"u{k}")
-        long = long_f.result(timeout=120 + 20 * long_s)
-        FULL_COLLECTIONS.on = False
-        arm.full_gc_ms += [p * 1e3 for p in FULL_COLLECTIONS.take()]
+        rounds_before = engine.scheduler.stats.num_rounds
+        for j, phase in enumerate(phases):
+            seen = len(engine.blocking_times_s)
+            backend.started.clear()
+            FULL_COLLECTIONS.take()
+            FULL_COLLECTIONS.on = True
+            long_f = engine.submit(long_prompt, ttft_slo_s=1e5, request_id=f"long{j}")
+            if not backend.started.wait(60):
+                raise TimeoutError("the long prompt did not start in time")
+            # Timed from the prompt's own start: its submission is delayed by the round
+            # that takes it (and by a collection), and by the blocker's ACK, differently
+            # per arm, which would move the probe to other operators.
+            time.sleep(max(0.0, backend.started_at + phase * long_s - time.perf_counter()))
+            probe_f = engine.submit(short, ttft_slo_s=args.probe_slo_s, request_id=f"u{j}")
+            long = long_f.result(timeout=120 + 20 * long_s)
+            FULL_COLLECTIONS.on = False
+            arm.full_gc_ms += [p * 1e3 for p in FULL_COLLECTIONS.take()]
+            # Answered before the next long prompt, so its preemptions are this one's.
+            probe_f.result(timeout=120)
+            # The long prompt's preemption of the blocker comes first; then the probe's
+            # of the long prompt, if the probe came while it ran (the long prompt then
+            # says so); otherwise the probe preempted the blocker: not a sample.
+            new = list(engine.blocking_times_s)[seen:]
+            if long.num_preemptions and len(new) >= 2:
+                blocking.append(new[1] * 1e3)
+            ttfts.append(long.ttft_s * 1e3)
+        rounds = engine.scheduler.stats.num_rounds - rounds_before
         stop.set()
         streamer.join()
-        # The probes' preemptions are what is measured, not their answers: the engine is
-        # dropped undrained (on a GPU a probe that missed its target waits behind thousands
-        # of queued requests).
-        # The first preemption is the blocker's (by the long prompt): not a probe's.
-        arm.blocking_runs.append([b * 1e3 for b in list(engine.blocking_times_s)[1:]])
-        arm.long_ttft_ms.append(long.ttft_s * 1e3)
-        arm.rounds.append(engine.scheduler.stats.num_rounds - rounds_before)
-        arm.arrivals.append(streamed[0])
+    # The queue is dropped undrained: on a GPU thousands of queued requests would take
+    # minutes to answer, and only the probes' preemptions are measured.
+    arm.blocking_runs.append(blocking)
+    arm.long_ttft_runs.append(ttfts)
+    arm.rounds.append(rounds)
+    arm.arrivals.append(streamed[0])
+
+
+def stratified(rng: random.Random, n: int, top: float) -> list[float]:
+    """``n`` fractions in ``[0, top)``, one in each of ``n`` equal strata, shuffled."""
+    fractions = [(k + rng.random()) * top / n for k in range(n)]
+    rng.shuffle(fractions)
+    return fractions
 
 
 def build(args: argparse.Namespace) -> Any:
@@ -248,6 +286,7 @@ def mean_ratio(
     runs: Sequence[Sequence[float]],
     base: Sequence[Sequence[float]],
     *,
+    paired: bool = False,
     resamples: int = 4000,
     seed: int = 0,
 ) -> tuple[float, float, float]:
@@ -255,9 +294,9 @@ def mean_ratio(
     bootstrap interval (percentile method). Runs are resampled whole, not samples: the
     preemptions of one run share its conditions (what else the host ran, the garbage
     the last run left), so resampling them one by one would claim an interval too narrow.
-    The blocking is heavy-tailed (a signal that lands in one of the CPU's long operators
-    waits for its end): the interval says what a run can bound. NaN where either side has
-    no sample."""
+    ``paired``: run ``k`` of each side belongs to the same repeat (the same probe moments),
+    so a resample takes the same repeats on both sides; the sides must have as many runs.
+    NaN where either side has no sample."""
 
     def sums(side: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
         return (
@@ -268,9 +307,11 @@ def mean_ratio(
     (a_sum, a_n), (b_sum, b_n) = sums(runs), sums(base)
     if not a_n.sum() or not b_n.sum():
         return (float("nan"),) * 3
+    if paired and a_sum.size != b_sum.size:
+        raise ValueError(f"paired sides need as many runs: {a_sum.size} and {b_sum.size}")
     rng = np.random.default_rng(seed)
     ia = rng.integers(0, a_sum.size, size=(resamples, a_sum.size))
-    ib = rng.integers(0, b_sum.size, size=(resamples, b_sum.size))
+    ib = ia if paired else rng.integers(0, b_sum.size, size=(resamples, b_sum.size))
     with np.errstate(invalid="ignore", divide="ignore"):
         ratios = (a_sum[ia].sum(axis=1) / a_n[ia].sum(axis=1)) / (
             b_sum[ib].sum(axis=1) / b_n[ib].sum(axis=1)
@@ -289,13 +330,21 @@ def main() -> None:
     ap.add_argument("--queued", default="0,1000,10000", help="waiting requests per arm")
     ap.add_argument("--schedulers", default="indexed,ranking")
     ap.add_argument("--rate", type=float, default=200.0, help="streaming arrivals per second")
-    ap.add_argument("--probes", type=int, default=4, help="urgent preemptions per long prompt")
+    ap.add_argument(
+        "--longs", type=int, default=8, help="long prompts per run, one urgent probe each"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
         "--probe-slo-s",
         type=float,
         default=0.05,
-        help="the k-th urgent probe's TTFT target is k times this (tight: each preempts)",
+        help="the urgent probes' TTFT target (tight: each preempts)",
+    )
+    ap.add_argument(
+        "--per-token-us",
+        type=float,
+        help="the predictor's microseconds per prompt token (default: the long prompt's "
+        "solo time over its tokens, measured at start)",
     )
     ap.add_argument(
         "--gc",
@@ -320,47 +369,55 @@ def main() -> None:
         long_s = time.perf_counter() - t0
         if args.gc == "frozen":
             freeze_startup()
-        predictor = TTFTPredictor.linear(per_token_s=long_s / args.tokens)
+        per_token_s = (
+            args.per_token_us * 1e-6 if args.per_token_us is not None else long_s / args.tokens
+        )
+        predictor = TTFTPredictor.linear(per_token_s=per_token_s)
         with Progress(console=console, transient=True) as progress:
             job = progress.add_task("arms", total=args.repeats * len(arms))
-            order, probe_times = random.Random(0), random.Random(1)
+            order, moments = random.Random(0), random.Random(1)
             for repeat in range(args.repeats):
+                # Every arm of a repeat probes at the same moments (paired comparison);
+                # up to 95 % of the solo time, so that the probe nearly always comes
+                # while its long prompt still runs.
+                phases = stratified(moments, args.longs, 0.95)
                 for arm in order.sample(arms, len(arms)):
                     progress.update(job, description=f"{arm.queued} queued, {arm.scheduler}")
-                    one_run(arm, ex, predictor, long_prompt, long_s, args, probe_times)
+                    one_run(arm, ex, predictor, long_prompt, long_s, phases, args)
                     progress.advance(job)
                     # A line per run, so a run cut short still shows what it measured.
                     progress.console.print(
-                        f"repeat {repeat + 1}, {arm.queued:,} queued, {arm.scheduler}: blocking "
-                        f"{' '.join(f'{b:.2f}' for b in arm.blocking_runs[-1])} ms, "
-                        f"long TTFT {arm.long_ttft_ms[-1]:.0f} ms"
+                        f"repeat {repeat + 1}, {arm.queued:,} queued, {arm.scheduler}: "
+                        f"blocking mean {statistics.fmean(arm.blocking_runs[-1] or [0]):.2f} "
+                        f"ms ({len(arm.blocking_runs[-1])} probes), long TTFT median "
+                        f"{statistics.median(arm.long_ttft_runs[-1]):.0f} ms"
                     )
     table = Table(
         title=f"{args.tokens}-token prefill ({args.model}, {args.device}, sync {args.sync}, "
-        f"alone {long_s * 1e3:.0f} ms) with "
-        f"{args.rate:g} arrivals/s streaming and {args.probes} urgent preemptions, "
-        f"{args.repeats} repeats, garbage collector {args.gc}"
+        f"alone {long_s * 1e3:.0f} ms, predictor {per_token_s * 1e6:.2f} µs/token) with "
+        f"{args.rate:g} arrivals/s streaming, {args.longs} long prompts a run, one urgent "
+        f"probe each, {args.repeats} repeats, garbage collector {args.gc}"
     )
-    for column in ("queued", "scheduler", "preemptions", "blocking p50 ms", "blocking mean ms",
-                   "blocking p99 ms", "mean vs first (90 % interval)",
+    for column in ("queued", "scheduler", "probes that preempted", "blocking p50 ms",
+                   "blocking mean ms", "blocking p99 ms", "mean vs first (90 % interval)",
                    "long TTFT ms (median)", "long TTFT vs first (90 % interval)",
                    "full GCs (max ms)", "rounds", "arrivals"):  # fmt: skip
         table.add_column(column, justify="right")
     for arm in arms:
-        # Against the same scheduler's first arm (by default, the empty queue).
+        # Against the same scheduler's first arm (by default, the empty queue), repeat by
+        # repeat: both probed at the same moments.
         base = next(a for a in arms if a.scheduler == arm.scheduler)
-        ratio, lo, hi = mean_ratio(arm.blocking_runs, base.blocking_runs)
-        ttft, ttft_lo, ttft_hi = mean_ratio(
-            [[t] for t in arm.long_ttft_ms], [[t] for t in base.long_ttft_ms]
-        )
+        ratio, lo, hi = mean_ratio(arm.blocking_runs, base.blocking_runs, paired=True)
+        ttft, ttft_lo, ttft_hi = mean_ratio(arm.long_ttft_runs, base.long_ttft_runs, paired=True)
+        blocking = arm.blocking_ms
         table.add_row(
             f"{arm.queued:,}",
             arm.scheduler,
-            f"{len(arm.blocking_ms)}",
-            f"{statistics.median(arm.blocking_ms):.2f}" if arm.blocking_ms else "-",
-            f"{statistics.fmean(arm.blocking_ms):.2f}" if arm.blocking_ms else "-",
-            f"{pct(arm.blocking_ms, 0.99):.2f}" if arm.blocking_ms else "-",
-            "-" if arm is base or not arm.blocking_ms else f"{ratio:.2f} ({lo:.2f}-{hi:.2f})",
+            f"{len(blocking)} of {args.longs * args.repeats}",
+            f"{statistics.median(blocking):.2f}" if blocking else "-",
+            f"{statistics.fmean(blocking):.2f}" if blocking else "-",
+            f"{pct(blocking, 0.99):.2f}" if blocking else "-",
+            "-" if arm is base or not blocking else f"{ratio:.2f} ({lo:.2f}-{hi:.2f})",
             f"{statistics.median(arm.long_ttft_ms):.0f}",
             "-" if arm is base else f"{ttft:.3f} ({ttft_lo:.3f}-{ttft_hi:.3f})",
             f"{len(arm.full_gc_ms)} ({max(arm.full_gc_ms, default=0.0):.1f})",

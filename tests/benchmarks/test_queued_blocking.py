@@ -1,5 +1,6 @@
 """benchmarks/prefill/queued_blocking.py at its smallest size: both schedulers swap into
-the engine, the probes preempt, and the table comes out."""
+the engine, the probes preempt, and the table comes out; what the figures rest on (the
+interval's resampling, the probe moments) behaves."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_tiny_run_prints_the_table() -> None:
     argv = [sys.executable, str(ROOT / "benchmarks" / "prefill" / "queued_blocking.py"),
-            "--queued", "0,20", "--repeats", "1", "--tokens", "256", "--probes", "1"]  # fmt: skip
+            "--queued", "0,20", "--repeats", "1", "--tokens", "256", "--longs", "2"]  # fmt: skip
     run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "ranking" in run.stdout and "indexed" in run.stdout and "blocking" in run.stdout
@@ -42,3 +45,30 @@ def test_the_interval_resamples_runs_whole() -> None:
     _, lo_flat, hi_flat = mean_ratio(flat, flat)
     assert hi - lo > 2 * (hi_flat - lo_flat)
     assert all(v != v for v in mean_ratio([[]], base=runs))  # nothing measured: NaN
+
+
+def test_a_paired_interval_takes_the_same_repeats_on_both_sides() -> None:
+    """Repeats that differ a lot from each other (where their probes landed) but whose arms
+    agree within each: pairing cancels what the repeats share, resampling each side on its
+    own does not."""
+    from benchmarks.prefill.queued_blocking import mean_ratio
+
+    base = [[float(1 + 10 * (k % 3))] for k in range(30)]
+    runs = [[1.05 * v for v in run] for run in base]
+    ratio, lo, hi = mean_ratio(runs, base, paired=True)
+    assert abs(ratio - 1.05) < 1e-9 and abs(lo - 1.05) < 1e-9 and abs(hi - 1.05) < 1e-9
+    _, lo_apart, hi_apart = mean_ratio(runs, base)
+    assert lo_apart < 0.9 and hi_apart > 1.2
+    with pytest.raises(ValueError, match="as many runs"):
+        mean_ratio(runs, base[:-1], paired=True)
+
+
+def test_the_probe_moments_cover_each_stratum_once() -> None:
+    import random
+
+    from benchmarks.prefill.queued_blocking import stratified
+
+    fractions = stratified(random.Random(3), 8, 0.95)
+    assert sorted(int(f / (0.95 / 8)) for f in fractions) == list(range(8))
+    assert all(0 <= f < 0.95 for f in fractions)
+    assert fractions != sorted(fractions)  # shuffled: the order of the moments is random too
