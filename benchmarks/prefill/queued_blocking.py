@@ -12,7 +12,8 @@ urgent preemption. Per arm (queued requests × scheduler), one engine per run:
 2. ``--longs`` long prompts, one after the other, each preempt the blocker; one urgent
    short prompt (a probe) arrives while each runs, at a set fraction of the prompt's solo
    time after it started executing, and preempts it;
-3. recorded: the probes' blocking (signal → ACK, the engine's own measurement), the long
+3. recorded: the probes' blocking (signal → ACK, the engine's own measurement) and the
+   part of it after the checkpoint (the handoff: device drain, GIL, wake-ups), the long
    prompts' TTFT and how many rounds ran meanwhile.
 
 A probe's blocking is how long the operator its signal lands in still has to run (then
@@ -89,6 +90,8 @@ class Arm:
     blocking_runs: list[list[float]] = field(default_factory=list)
     """The probes' blocking, ms, one list per run (a probe that came after its long prompt
     had finished preempted nothing: no sample)."""
+    handoff_ms: list[float] = field(default_factory=list)
+    """Of each blocking sample, checkpoint → ACK seen (the rest: the operator's remainder)."""
     long_ttft_runs: list[list[float]] = field(default_factory=list)
     """The long prompts' TTFT, ms, one list per run."""
     probes_unanswered: int = 0
@@ -250,6 +253,7 @@ def one_run(
             new = list(engine.blocking_times_s)[seen:]
             if long.num_preemptions and len(new) >= 2:
                 blocking.append(new[1] * 1e3)
+                arm.handoff_ms.append(list(engine.handoff_times_s)[seen + 1] * 1e3)
             ttfts.append(long.ttft_s * 1e3)
         rounds = engine.scheduler.stats.num_rounds - rounds_before
         stop.set()
@@ -408,6 +412,7 @@ def main() -> None:
     )
     for column in ("queued", "scheduler", "probes that preempted", "blocking p50 ms",
                    "blocking mean ms", "blocking p99 ms", "mean vs first (90 % interval)",
+                   "of which handoff: mean (p99) ms",
                    "long TTFT ms (median)", "long TTFT vs first (90 % interval)",
                    "full GCs (max ms)", "rounds", "arrivals"):  # fmt: skip
         table.add_column(column, justify="right")
@@ -427,6 +432,9 @@ def main() -> None:
             f"{statistics.fmean(blocking):.2f}" if blocking else "-",
             f"{pct(blocking, 0.99):.2f}" if blocking else "-",
             "-" if arm is base or not blocking else f"{ratio:.2f} ({lo:.2f}-{hi:.2f})",
+            f"{statistics.fmean(arm.handoff_ms):.3f} ({pct(arm.handoff_ms, 0.99):.3f})"
+            if arm.handoff_ms
+            else "-",
             f"{statistics.median(arm.long_ttft_ms):.0f}",
             "-" if arm is base else f"{ttft:.3f} ({ttft_lo:.3f}-{ttft_hi:.3f})",
             f"{len(arm.full_gc_ms)} ({max(arm.full_gc_ms, default=0.0):.1f})",

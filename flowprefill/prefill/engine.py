@@ -208,6 +208,9 @@ class PrefillEngine:
         )
         self.blocking_times_s: deque[float] = deque(maxlen=BLOCKING_HISTORY)
         """The most recent preemption blocking times (appended on the scheduler thread)."""
+        self.handoff_times_s: deque[float] = deque(maxlen=BLOCKING_HISTORY)
+        """Their handoff parts (``PreemptOutcome.handoff_s``: checkpoint → ACK seen), in the same
+        order."""
         self._decode_timeouts_seen = 0
         self._ids = itertools.count()
         # Guards _futures and _accepting: submit, cancel and close run on callers'
@@ -398,7 +401,9 @@ class PrefillEngine:
         for p in out.preempted:
             m.preemptions.inc()
             m.preemption_blocking.observe(p.outcome.blocking_s)
+            m.preemption_handoff.observe(p.outcome.handoff_s)
             self.blocking_times_s.append(p.outcome.blocking_s)
+            self.handoff_times_s.append(p.outcome.handoff_s)
         if out.stopped:
             return
         m.rounds.inc()

@@ -92,6 +92,14 @@ class EngineMetrics:
             buckets=BLOCKING_BUCKETS_S,
             registry=r,
         )
+        self.preemption_handoff = Histogram(
+            "flowprefill_prefill_preemption_handoff_seconds",
+            "Of the preemption blocking, the part from the checkpoint that took the signal "
+            "to the scheduler seeing the ACK (device drain, GIL, thread wake-ups); the rest "
+            "is the operator the signal landed in.",
+            buckets=BLOCKING_BUCKETS_S,
+            registry=r,
+        )
         self.decode_parks = Counter(
             PREFILL_DECODE_PARKS,
             "Times the running prefill parked at a checkpoint for a decode step whose TBT "

@@ -172,6 +172,9 @@ def test_metrics_are_exported() -> None:
     assert "flowprefill_prefill_preemptions_total 1.0" in text
     assert 'flowprefill_prefill_ttft_seconds_count{slo_class="chat"} 1.0' in text
     assert "flowprefill_prefill_preemption_blocking_seconds_count 1.0" in text
+    assert "flowprefill_prefill_preemption_handoff_seconds_count 1.0" in text
+    assert len(eng.handoff_times_s) == len(eng.blocking_times_s) == 1
+    assert 0 <= eng.handoff_times_s[0] <= eng.blocking_times_s[0]
     assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="chat"} 1.0' in text
 
 

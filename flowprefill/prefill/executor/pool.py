@@ -85,7 +85,7 @@ class ExecutionPool(Generic[R]):
         with self._lock:
             if self._running == task.task_id:
                 self._running = None
-        return PreemptOutcome(parked, blocking_s)
+        return PreemptOutcome(parked, blocking_s, control.handoff_s)
 
     def resume(self, task: Task) -> None:
         control = self._control(task)

@@ -49,6 +49,7 @@ class TaskControl:
 
     __slots__ = (
         "_acked",
+        "_checkpoint_s",
         "_cond",
         "_done",
         "_parked",
@@ -58,6 +59,7 @@ class TaskControl:
         "decode_yield",
         "device_sync",
         "gate",
+        "handoff_s",
         "held_bytes",
         "name",
         "num_checkpoints",
@@ -87,6 +89,12 @@ class TaskControl:
         self.held_bytes: Callable[[], int] | None = None
         """Set by the executor on the task's thread: measures the bytes the task holds,
         called by the pool once it has parked (:mod:`flowprefill.prefill.executor.memory`)."""
+        self.handoff_s = 0.0
+        """Of the last preemption's blocking, the part from the checkpoint that took the
+        signal to :meth:`request_preempt` returning: the device drain, the ACK, the GIL
+        and the preempting thread's wake-up. The rest is the remainder of the operator the
+        signal landed in. 0 when the task finished instead of parking."""
+        self._checkpoint_s = 0.0
         self._cond = threading.Condition()
         self._acked = False
         self._parked = False
@@ -119,6 +127,7 @@ class TaskControl:
             return self._cond.wait_for(lambda: self._parked or self._done, timeout=timeout_s)
 
     def _park(self) -> None:
+        self._checkpoint_s = time.perf_counter()
         if self.cancelled:
             raise TaskCancelledError(f"{self.name} was cancelled")
         if self.device_sync is not None:
@@ -153,7 +162,8 @@ class TaskControl:
         """Raise the signal and wait for the ACK.
 
         Returns ``(parked, blocking_s)``: ``parked`` is False when the task finished before
-        reaching another checkpoint (its completion event is then already queued).
+        reaching another checkpoint (its completion event is then already queued). Sets
+        :attr:`handoff_s`, the part of ``blocking_s`` after the checkpoint.
         Raises TimeoutError when neither happens within ``timeout_s``.
         """
         start = time.perf_counter()
@@ -168,7 +178,9 @@ class TaskControl:
             if not ok:
                 self.preempt_requested = False
                 raise TimeoutError(f"{self.name} did not reach a checkpoint in {timeout_s}s")
-            return self._acked, time.perf_counter() - start
+            end = time.perf_counter()
+            self.handoff_s = end - max(start, self._checkpoint_s) if self._acked else 0.0
+            return self._acked, end - start
 
     def resume(self) -> None:
         with self._cond:

@@ -31,6 +31,10 @@ class PreemptOutcome:
     """False when the task reached its end before a checkpoint (it finished instead)."""
     blocking_s: float
     """Signal → ACK (or → finish) time: the paper's preemption blocking time."""
+    handoff_s: float = 0.0
+    """Of ``blocking_s``, checkpoint → ACK seen: the device drain, the GIL and the thread
+    wake-ups (the rest is the operator the signal landed in). 0 where the task finished
+    instead, and in the simulator, which hands off instantly."""
 
 
 class Pool(Protocol):

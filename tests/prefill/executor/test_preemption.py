@@ -52,6 +52,31 @@ def test_finish_before_checkpoint_reports_not_parked() -> None:
     t = run_steps(control, 1, log)
     t.join()
     assert control.request_preempt(timeout_s=1) == (False, 0.0)
+    assert control.handoff_s == 0.0
+
+
+def test_the_handoff_is_the_blocking_after_the_checkpoint_not_the_operator() -> None:
+    """A signal that lands in a 100 ms operator blocks until the operator ends; the
+    handoff (checkpoint -> ACK seen) is only what comes after it."""
+    control = TaskControl()
+    in_operator = threading.Event()
+
+    def body() -> None:
+        with activate(control):
+            checkpoint()
+            in_operator.set()
+            time.sleep(0.1)  # one long operator, no checkpoint inside
+            checkpoint()
+        control.mark_done()
+
+    t = threading.Thread(target=body)
+    t.start()
+    assert in_operator.wait(5)
+    parked, blocking_s = control.request_preempt(timeout_s=5)
+    assert parked and blocking_s >= 0.08
+    assert 0 <= control.handoff_s < 0.05 and control.handoff_s < blocking_s - 0.05
+    control.resume()
+    t.join(5)
 
 
 def test_cancel_running_and_parked_tasks() -> None:
