@@ -94,6 +94,9 @@ class Arm:
     """Of each blocking sample, checkpoint → ACK seen (the rest: the operator's remainder)."""
     long_ttft_runs: list[list[float]] = field(default_factory=list)
     """The long prompts' TTFT, ms, one list per run."""
+    start_lag_ms: list[float] = field(default_factory=list)
+    """Each long prompt's submission → its task starting (the rounds before it, the
+    blocker's ACK, a collection)."""
     probes_unanswered: int = 0
     rounds: list[int] = field(default_factory=list)
     arrivals: list[int] = field(default_factory=list)
@@ -229,9 +232,11 @@ def one_run(
             backend.started.clear()
             FULL_COLLECTIONS.take()
             FULL_COLLECTIONS.on = True
+            submitted_at = time.perf_counter()
             long_f = engine.submit(long_prompt, ttft_slo_s=1e5, request_id=f"long{j}")
             if not backend.started.wait(60):
                 raise TimeoutError("the long prompt did not start in time")
+            arm.start_lag_ms.append((backend.started_at - submitted_at) * 1e3)
             # Timed from the prompt's own start: its submission is delayed by the round
             # that takes it (and by a collection), and by the blocker's ACK, differently
             # per arm, which would move the probe to other operators.
@@ -414,6 +419,7 @@ def main() -> None:
                    "blocking mean ms", "blocking p99 ms", "mean vs first (90 % interval)",
                    "of which handoff: mean (p99) ms",
                    "long TTFT ms (median)", "long TTFT vs first (90 % interval)",
+                   "long start after submit ms (median)",
                    "full GCs (max ms)", "rounds", "arrivals"):  # fmt: skip
         table.add_column(column, justify="right")
     for arm in arms:
@@ -437,6 +443,7 @@ def main() -> None:
             else "-",
             f"{statistics.median(arm.long_ttft_ms):.0f}",
             "-" if arm is base else f"{ttft:.3f} ({ttft_lo:.3f}-{ttft_hi:.3f})",
+            f"{statistics.median(arm.start_lag_ms):.2f}",
             f"{len(arm.full_gc_ms)} ({max(arm.full_gc_ms, default=0.0):.1f})",
             f"{sum(arm.rounds):,}",
             f"{sum(arm.arrivals):,}",
