@@ -378,7 +378,7 @@ def main() -> None:
         Arm(int(q), name) for q in args.queued.split(",") for name in args.schedulers.split(",")
     ]
     # Wide enough for the table when the output is not a terminal (a log, CI).
-    console = Console(width=max(Console().width, 180))
+    console = Console(width=max(Console().width, 240))
     with PreemptibleExecutor(model, granularity="operator", sync=args.sync) as ex:
         ex.run([long_prompt], TaskControl("warm-up"))
         t0 = time.perf_counter()
