@@ -228,7 +228,7 @@ def one_run(
         streamer.start()
         rounds_before = engine.scheduler.stats.num_rounds
         for j, phase in enumerate(phases):
-            seen = len(engine.blocking_times_s)
+            seen = len(engine.preemptions)
             backend.started.clear()
             FULL_COLLECTIONS.take()
             FULL_COLLECTIONS.on = True
@@ -255,10 +255,10 @@ def one_run(
             # The long prompt's preemption of the blocker comes first; then the probe's
             # of the long prompt, if the probe came while it ran (the long prompt then
             # says so); otherwise the probe preempted the blocker: not a sample.
-            new = list(engine.blocking_times_s)[seen:]
+            new = list(engine.preemptions)[seen:]
             if long.num_preemptions and len(new) >= 2:
-                blocking.append(new[1] * 1e3)
-                arm.handoff_ms.append(list(engine.handoff_times_s)[seen + 1] * 1e3)
+                blocking.append(new[1].blocking_s * 1e3)
+                arm.handoff_ms.append(new[1].handoff_s * 1e3)
             ttfts.append(long.ttft_s * 1e3)
         rounds = engine.scheduler.stats.num_rounds - rounds_before
         stop.set()

@@ -72,6 +72,11 @@ class OverloadReason(StrEnum):
 PREFILL_REQUESTS: Final = "flowprefill_prefill_requests"
 PREFILL_QUEUE_DEPTH: Final = "flowprefill_prefill_queue_depth"
 PREFILL_TTFT: Final = "flowprefill_prefill_ttft_seconds"
+PREFILL_PREEMPTION_BLOCKING: Final = "flowprefill_prefill_preemption_blocking_seconds"
+"""Histogram: preemption signal → the running task's ACK."""
+PREFILL_PREEMPTION_HANDOFF: Final = "flowprefill_prefill_preemption_handoff_seconds"
+"""Histogram: of that blocking, the checkpoint that took the signal → the ACK seen (device
+drain, GIL, wake-ups); the rest is the operator the signal landed in."""
 PREFILL_DECODE_PARKS: Final = "flowprefill_prefill_decode_parks"
 """Counter: parks of the running prefill for a decode step (decode-aware preemption)."""
 PREFILL_DECODE_PARKED: Final = "flowprefill_prefill_decode_parked_seconds"

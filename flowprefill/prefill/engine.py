@@ -42,14 +42,21 @@ from flowprefill.prefill.scheduler.core import CommandKind, Scheduler
 from flowprefill.prefill.scheduler.loop import SchedulerLoop
 from flowprefill.prefill.scheduler.memory import ParkedBytesFn, ParkedMemory
 from flowprefill.prefill.scheduler.policies import get_policy
-from flowprefill.prefill.scheduler.round import Arrival, Cancel, Cancelled, Completion, RoundOutput
+from flowprefill.prefill.scheduler.round import (
+    Arrival,
+    Cancel,
+    Cancelled,
+    Completion,
+    PreemptOutcome,
+    RoundOutput,
+)
 
 if TYPE_CHECKING:
     from flowprefill.kv.beats import BeatListener
 
 BLOCKING_HISTORY = 10_000
-"""How many recent preemption blocking times ``PrefillEngine.blocking_times_s`` keeps (the
-metrics histogram counts every one); bounded so a long-running server does not grow."""
+"""How many recent preemptions ``PrefillEngine.preemptions`` keeps (the metrics histograms
+count every one); bounded so a long-running server does not grow."""
 
 
 class PrefillBackend(Protocol):
@@ -206,11 +213,9 @@ class PrefillEngine:
         self.loop = SchedulerLoop(
             self.scheduler, self.pool, on_round=self._on_round, on_crash=self._on_crash, clock=clock
         )
-        self.blocking_times_s: deque[float] = deque(maxlen=BLOCKING_HISTORY)
-        """The most recent preemption blocking times (appended on the scheduler thread)."""
-        self.handoff_times_s: deque[float] = deque(maxlen=BLOCKING_HISTORY)
-        """Their handoff parts (``PreemptOutcome.handoff_s``: checkpoint → ACK seen), in the same
-        order."""
+        self.preemptions: deque[PreemptOutcome] = deque(maxlen=BLOCKING_HISTORY)
+        """The most recent preemptions' outcomes, oldest first (appended on the scheduler
+        thread): blocking and its handoff part."""
         self._decode_timeouts_seen = 0
         self._ids = itertools.count()
         # Guards _futures and _accepting: submit, cancel and close run on callers'
@@ -300,6 +305,11 @@ class PrefillEngine:
         with self._lock:
             accepting = self._accepting
         return accepting and self.loop.running
+
+    @property
+    def blocking_times_s(self) -> list[float]:
+        """The blocking times of :attr:`preemptions`, oldest first (a copy)."""
+        return [p.blocking_s for p in list(self.preemptions)]
 
     # ---------------------------------------------------------------- requests
 
@@ -402,8 +412,7 @@ class PrefillEngine:
             m.preemptions.inc()
             m.preemption_blocking.observe(p.outcome.blocking_s)
             m.preemption_handoff.observe(p.outcome.handoff_s)
-            self.blocking_times_s.append(p.outcome.blocking_s)
-            self.handoff_times_s.append(p.outcome.handoff_s)
+            self.preemptions.append(p.outcome)
         if out.stopped:
             return
         m.rounds.inc()

@@ -23,6 +23,8 @@ from flowprefill.contracts.metrics import (
     PREFILL_KV_REFUSED,
     PREFILL_PARKED_BUDGET_BYTES,
     PREFILL_PARKED_BYTES,
+    PREFILL_PREEMPTION_BLOCKING,
+    PREFILL_PREEMPTION_HANDOFF,
     PREFILL_PREEMPTIONS_DECLINED,
     PREFILL_QUEUE_DEPTH,
     PREFILL_REQUESTS,
@@ -87,13 +89,13 @@ class EngineMetrics:
             registry=r,
         )
         self.preemption_blocking = Histogram(
-            "flowprefill_prefill_preemption_blocking_seconds",
+            PREFILL_PREEMPTION_BLOCKING,
             "Time from raising the preemption signal to the running task's ACK.",
             buckets=BLOCKING_BUCKETS_S,
             registry=r,
         )
         self.preemption_handoff = Histogram(
-            "flowprefill_prefill_preemption_handoff_seconds",
+            PREFILL_PREEMPTION_HANDOFF,
             "Of the preemption blocking, the part from the checkpoint that took the signal "
             "to the scheduler seeing the ACK (device drain, GIL, thread wake-ups); the rest "
             "is the operator the signal landed in.",

@@ -5,7 +5,7 @@ the app) and keep them for the life of the process. Python's cyclic collector wo
 all of them in every full collection, holding the GIL throughout, and while one runs the
 prefill executor's thread cannot pass a checkpoint, so a preemption waits for it: with
 tiny-llama on a 2-core machine and 10,000 requests waiting, full collections during a
-prefill took up to 313 ms with Python's defaults and up to 46 ms with startup
+prefill took up to 277 ms with Python's defaults and up to 39 ms with startup
 frozen (``benchmarks/prefill/queued_blocking.py --gc python|frozen``; docs/scheduler.md).
 :func:`freeze_startup` moves what exists into the permanent generation (``gc.freeze``,
 as vLLM does after it starts), so later collections scan only what serving made.

@@ -173,8 +173,8 @@ def test_metrics_are_exported() -> None:
     assert 'flowprefill_prefill_ttft_seconds_count{slo_class="chat"} 1.0' in text
     assert "flowprefill_prefill_preemption_blocking_seconds_count 1.0" in text
     assert "flowprefill_prefill_preemption_handoff_seconds_count 1.0" in text
-    assert len(eng.handoff_times_s) == len(eng.blocking_times_s) == 1
-    assert 0 <= eng.handoff_times_s[0] <= eng.blocking_times_s[0]
+    (outcome,) = eng.preemptions
+    assert outcome.parked and 0 <= outcome.handoff_s <= outcome.blocking_s
     assert 'flowprefill_prefill_requests_total{outcome="met",slo_class="chat"} 1.0' in text
 
 
@@ -252,9 +252,10 @@ def test_met_slo_is_the_class_slo_from_the_gateway_arrival() -> None:
 
 def test_blocking_history_is_bounded() -> None:
     from flowprefill.prefill.engine import BLOCKING_HISTORY
+    from flowprefill.prefill.scheduler.round import PreemptOutcome
 
     eng = PrefillEngine(SteppedBackend(), PREDICTOR)
-    eng.blocking_times_s.extend(float(i) for i in range(BLOCKING_HISTORY + 5))
+    eng.preemptions.extend(PreemptOutcome(True, float(i)) for i in range(BLOCKING_HISTORY + 5))
     assert len(eng.blocking_times_s) == BLOCKING_HISTORY
     assert eng.blocking_times_s[-1] == BLOCKING_HISTORY + 4
 
